@@ -1,0 +1,220 @@
+"""Engine configuration: one ``EngineArgs`` shared by the CLI, server, bench and ``LLM``,
+resolved into one frozen dataclass per concern."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass, fields
+from typing import Any
+
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float32", "fp8", "fp8_e4m3", "float16", "fp8_e5m2")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+DEVICES = ("auto", "cpu", "cuda")
+LOAD_FORMATS = ("auto", "dummy")
+
+
+class ConfigError(ValueError):
+    """A configuration the engine refuses; the message names the flag and the fix."""
+
+
+@dataclass(frozen=True)
+class TextModelConfig:
+    """The architecture fields the decoder-only text models read, from a HF config dict."""
+
+    architectures: list[str]
+    model_type: str
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None
+    max_position_embeddings: int
+    vocab_size: int
+    tie_word_embeddings: bool
+    attention_bias: bool  # q/k/v projections carry biases (always for Qwen2)
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict[str, Any]) -> TextModelConfig:
+        def need(key: str) -> Any:
+            if key not in cfg:
+                raise ConfigError(f"model config has no {key!r}")
+            return cfg[key]
+
+        model_type = cfg.get("model_type", "")
+        archs = list(cfg.get("architectures") or [])
+        if not archs:
+            raise ConfigError("model config has no 'architectures' entry")
+        if cfg.get("use_sliding_window"):
+            raise ConfigError("use_sliding_window=true (sliding-window attention) is not supported")
+        rope_params = cfg.get("rope_parameters") or {}
+        rope_theta = cfg.get("rope_theta", rope_params.get("rope_theta", 10000.0))
+        rope_scaling = cfg.get("rope_scaling")
+        if rope_scaling is None and rope_params.get("rope_type", "default") != "default":
+            rope_scaling = rope_params
+        heads = int(need("num_attention_heads"))
+        hidden = int(need("hidden_size"))
+        is_qwen2 = model_type == "qwen2" or "Qwen2ForCausalLM" in archs
+        return cls(
+            architectures=archs,
+            model_type=model_type,
+            hidden_size=hidden,
+            intermediate_size=int(need("intermediate_size")),
+            num_hidden_layers=int(need("num_hidden_layers")),
+            num_attention_heads=heads,
+            num_key_value_heads=int(cfg.get("num_key_value_heads") or heads),
+            head_dim=int(cfg.get("head_dim") or hidden // heads),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(rope_theta),
+            rope_scaling=rope_scaling,
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+            vocab_size=int(need("vocab_size")),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attention_bias=bool(cfg.get("attention_bias", is_qwen2)),
+        )
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model: str  # what the user named: a directory, a .gguf file or a hub repo id
+    source_kind: str  # "hf_dir" | "gguf" | "dummy"
+    path: str  # the local directory or file the weights come from
+    hf_config: dict[str, Any]
+    text_config: TextModelConfig
+    dtype: Any  # torch.dtype of the weights and activations
+    max_model_len: int  # longest sequence served (prompt + output)
+    eos_token_ids: frozenset[int]  # config.json plus generation_config.json
+    tokenizer_config: str | None  # override for tokenizer_config.json
+    seed: int
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int  # tokens per KV block
+    num_blocks: int  # blocks per layer
+    kv_cache_dtype: Any  # torch.dtype of the stored keys and values
+    kv_cache_dtype_requested: str  # the --kv-cache-dtype value as given
+    bytes_per_block: int  # one block across every layer, keys and values
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int  # most requests running in one step
+    max_num_batched_tokens: int  # token budget of one step (prefill chunks + decodes)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig
+    cache: CacheConfig
+    scheduler: SchedulerConfig
+    device: str  # "cpu" or "cuda"
+
+
+@dataclass
+class EngineArgs:
+    """Every engine flag, with vLLM's names. ``None`` means "let the engine decide"."""
+
+    model: str | None = None  # None serves the embedded default model
+    tokenizer_config: str | None = None
+    skip_tokenizer_init: bool = False  # no tokenizer: token-id prompts only, no text out
+    revision: str | None = None
+    download_dir: str | None = None
+    load_format: str = "auto"
+    dtype: str = "auto"
+    device: str = "auto"
+    seed: int = 0
+    max_model_len: int | None = None
+    block_size: int = 32
+    num_blocks: int | None = None  # default 256 when kv_cache_memory is not given
+    kv_cache_memory: int | None = None
+    kv_cache_dtype: str = "auto"
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int | None = None  # default 2048
+
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        g = parser.add_argument_group("engine")
+        g.add_argument("--model", default=None, help="model directory, .gguf file or "
+                       "Hugging Face repo id (default: the embedded SmolLM2-135M-Instruct)")
+        g.add_argument("--tokenizer-config", default=None, help="override tokenizer_config.json")
+        g.add_argument("--skip-tokenizer-init", action="store_true",
+                       help="load no tokenizer: prompts must be token ids, outputs carry ids")
+        g.add_argument("--revision", default=None, help="hub revision (branch, tag or commit)")
+        g.add_argument("--download-dir", default=None, help="hub download directory")
+        g.add_argument("--load-format", default="auto", choices=LOAD_FORMATS,
+                       help="'dummy' initialises random weights from config.json")
+        g.add_argument("--dtype", default="auto", choices=DTYPES)
+        g.add_argument("--device", default="auto", choices=DEVICES)
+        g.add_argument("--max-model-len", type=_positive_int, default=None)
+        g.add_argument("--block-size", type=_positive_int, default=32)
+        g.add_argument("--num-blocks", type=_positive_int, default=None,
+                       help="KV blocks per layer (default 256)")
+        g.add_argument("--kv-cache-memory", type=_byte_size, default=None,
+                       help="byte budget for the whole KV pool, every layer included "
+                            "(suffixes K, M, G, Ki, Mi, Gi accepted)")
+        g.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES)
+        g.add_argument("--max-num-seqs", type=_positive_int, default=32)
+        g.add_argument("--max-num-batched-tokens", type=_positive_int, default=None)
+        return parser
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in vars(args).items() if k in names})
+
+    def create_engine_config(self) -> EngineConfig:
+        from vllmpy.engine.configure import build_engine_config
+
+        return build_engine_config(self)
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+_SUFFIXES = {"": 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12,
+             "KI": 2**10, "MI": 2**20, "GI": 2**30, "TI": 2**40}
+
+
+def parse_byte_size(text: str) -> int:
+    """'1073741824', '512M', '2GiB', '1.5G' -> bytes."""
+    raw = str(text).strip().upper().removesuffix("B")
+    number = raw.rstrip("KMGTI")
+    suffix = raw[len(number):]
+    try:
+        value = float(number) * _SUFFIXES[suffix]
+    except (KeyError, ValueError):
+        raise ValueError(f"expected a byte count like 1073741824, 512M or 2GiB, got {text!r}")\
+            from None
+    if value < 1:
+        raise ValueError(f"expected a positive byte count, got {text!r}")
+    return int(value)
+
+
+def _byte_size(text: str) -> int:
+    try:
+        return parse_byte_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def log(message: str) -> None:
+    """Engine start-up and status lines go to stderr, never stdout."""
+    print(f"vllmpy: {message}", file=sys.stderr, flush=True)
+
+

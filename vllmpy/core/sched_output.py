@@ -1,0 +1,72 @@
+"""Plain-data descriptions of one engine step, passed between scheduler, runner and core.
+
+None of these hold tensors: the scheduler describes the step, the model runner turns the
+description into device inputs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vllmpy.sampling_params import SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    """A request the runner has not seen before (or is seeing again after preemption)."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    # Tokens generated before a preemption; empty for a fresh request.
+    output_token_ids: list[int]
+    sampling_params: SamplingParams
+    block_ids: list[int]  # every KV block of the request, in order
+    num_computed_tokens: int  # tokens whose KV is already in the cache (0 without caching)
+
+
+@dataclass
+class CachedRequestData:
+    """Requests the runner already holds: only what changed since their last step."""
+
+    req_ids: list[str] = field(default_factory=list)
+    new_block_ids: list[list[int]] = field(default_factory=list)  # blocks appended this step
+    num_computed_tokens: list[int] = field(default_factory=list)
+
+
+@dataclass
+class SchedulerOutput:
+    """What one step computes."""
+
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: CachedRequestData
+    # req_id -> number of tokens computed for it this step (a prefill chunk or 1 for decode)
+    num_scheduled_tokens: dict[str, int]
+    total_num_scheduled_tokens: int
+    # Requests that left since the last step (finished, aborted or preempted): the runner
+    # drops them from its batch. A preempted request comes back later as a NewRequestData.
+    finished_req_ids: set[str]
+
+
+@dataclass
+class ModelRunnerOutput:
+    """What the runner produced for one step, one entry per scheduled request."""
+
+    req_ids: list[str]
+    # One list per request: the sampled token(s); empty when the request is still in the
+    # middle of its prefill (a chunk that does not reach the end of the known tokens).
+    sampled_token_ids: list[list[int]]
+
+
+@dataclass
+class EngineCoreOutput:
+    """A per-request delta returned by EngineCore.step()."""
+
+    req_id: str
+    new_token_ids: list[int]
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | None (still running)
+    stop_reason: int | str | None = None  # the stop token id that ended it, if any
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

@@ -1,0 +1,74 @@
+"""Frontend validation and tokenization: a user's prompt -> EngineCoreRequest."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from vllmpy import envs
+from vllmpy.config import ModelConfig
+from vllmpy.engine.core import EngineCoreRequest
+from vllmpy.sampling_params import SamplingParams
+
+PromptType = str | list[int]
+
+
+class InputProcessor:
+    def __init__(self, model_config: ModelConfig, tokenizer: Any | None) -> None:
+        self.model_config = model_config
+        self.tokenizer = tokenizer
+        self.vocab_size = model_config.text_config.vocab_size
+
+    def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        """(prompt text or None, prompt token ids); raises ValueError on bad input."""
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("no tokenizer is loaded (--skip-tokenizer-init, or a dummy-"
+                                 "weight model without tokenizer.json); pass prompt token ids "
+                                 "instead of text")
+            return prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
+        if isinstance(prompt, (list, tuple)):
+            ids = list(prompt)
+            for t in ids:
+                if isinstance(t, bool) or not isinstance(t, int):
+                    raise ValueError(f"prompt token ids must be integers, got {t!r}")
+                if not 0 <= t < self.vocab_size:
+                    raise ValueError(f"prompt token id {t} is out of range for the "
+                                     f"vocabulary of {self.vocab_size} tokens")
+            return None, ids
+        raise ValueError(f"a prompt must be a string or a list of token ids, "
+                         f"got {type(prompt).__name__}")
+
+    def resolve_max_tokens(self, params: SamplingParams, num_prompt_tokens: int) -> int:
+        """max_tokens None or <= 0 means unset: whatever room the serving length leaves,
+        capped by VT_SERVER_MAX_NEW_TOKENS when that is set."""
+        room = self.model_config.max_model_len - num_prompt_tokens
+        if params.max_tokens is not None and params.max_tokens > 0:
+            return params.max_tokens
+        cap = envs.VT_SERVER_MAX_NEW_TOKENS
+        return min(room, cap) if cap is not None and cap > 0 else room
+
+    def process(self, request_id: str, prompt_token_ids: list[int],
+                params: SamplingParams) -> EngineCoreRequest:
+        n = len(prompt_token_ids)
+        if n == 0:
+            raise ValueError("the prompt is empty: it must contain at least one token")
+        max_len = self.model_config.max_model_len
+        if n >= max_len:
+            raise ValueError(f"the prompt is {n} tokens, at or past max_model_len ({max_len}): "
+                             f"at most {max_len - 1} prompt tokens leave room to generate")
+        for t in params.stop_token_ids or []:
+            if t >= self.vocab_size:
+                raise ValueError(f"stop_token_ids entry {t} is out of range for the "
+                                 f"vocabulary of {self.vocab_size} tokens")
+        for t in params.logit_bias or {}:
+            if not 0 <= t < self.vocab_size:
+                raise ValueError(f"logit_bias token id {t} is out of range for the "
+                                 f"vocabulary of {self.vocab_size} tokens")
+        return EngineCoreRequest(
+            request_id=request_id,
+            prompt_token_ids=list(prompt_token_ids),
+            sampling_params=params,
+            max_tokens=self.resolve_max_tokens(params, n),
+            arrival_time=time.time(),
+        )

@@ -1,0 +1,172 @@
+"""LLM: the synchronous library API over an in-process engine core (vLLM's ``LLM``)."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator, Sequence
+from dataclasses import fields
+from typing import Any
+
+from vllmpy.config import EngineArgs
+from vllmpy.engine.configure import build_engine_config
+from vllmpy.engine.core_client import InprocClient
+from vllmpy.engine.input_processor import InputProcessor, PromptType
+from vllmpy.engine.output_processor import OutputProcessor
+from vllmpy.loader.source import load_tokenizer, resolve_model_source
+from vllmpy.outputs import RequestOutput
+from vllmpy.sampling_params import RequestOutputKind, SamplingParams
+
+Message = dict[str, Any]
+
+
+class LLM:
+    """``LLM(model=None, **engine_args)``: ``model`` is a model directory, a .gguf file, a
+    Hugging Face repo id, or None for the embedded default model. Every other keyword is an
+    ``EngineArgs`` field (block_size, num_blocks, max_model_len, dtype, device, ...)."""
+
+    def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+        known = {f.name for f in fields(EngineArgs)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise TypeError(f"LLM() got unknown engine argument(s): {', '.join(unknown)}")
+        self.engine_args = EngineArgs(model=model, **kwargs)
+        self.source = resolve_model_source(
+            model, load_format=self.engine_args.load_format,
+            revision=self.engine_args.revision, download_dir=self.engine_args.download_dir)
+        self.config = build_engine_config(self.engine_args, self.source)
+        self.tokenizer = load_tokenizer(self.source, self.engine_args.tokenizer_config,
+                                        skip=self.engine_args.skip_tokenizer_init)
+        self.input_processor = InputProcessor(self.config.model, self.tokenizer)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.engine = InprocClient(self.config, self.source)
+        self._counter = itertools.count()
+
+    def get_tokenizer(self) -> Any:
+        return self.tokenizer
+
+    # ---- requests -----------------------------------------------------------------------
+
+    def _add_request(self, prompt: PromptType, params: SamplingParams) -> str:
+        text, ids = self.input_processor.tokenize(prompt)
+        request_id = str(next(self._counter))
+        children = []
+        for i in range(params.n):
+            child = params.clone()
+            child.n = 1
+            if params.seed is not None:
+                child.seed = params.seed + i
+            children.append(child)
+        child_ids = self.output_processor.add_request(request_id, text, ids, children)
+        core_requests = [self.input_processor.process(cid, ids, p)
+                         for cid, p in zip(child_ids, children)]
+        for req in core_requests:
+            self.engine.add_request(req)
+        return request_id
+
+    def _step(self) -> list[RequestOutput]:
+        outputs, to_abort = self.output_processor.process_outputs(self.engine.get_output())
+        if to_abort:
+            self.engine.abort_requests(to_abort)
+        return outputs
+
+    def _normalize(self, prompts: PromptType | Sequence[PromptType],
+                   sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+                   ) -> tuple[list[PromptType], list[SamplingParams]]:
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts
+                                        and isinstance(prompts[0], int)):
+            prompt_list: list[PromptType] = [prompts]  # type: ignore[list-item]
+        else:
+            prompt_list = list(prompts)  # type: ignore[arg-type]
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params] * len(prompt_list)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompt_list):
+                raise ValueError(f"got {len(params_list)} sampling params for "
+                                 f"{len(prompt_list)} prompts")
+        return prompt_list, params_list
+
+    def generate(self, prompts: PromptType | Sequence[PromptType],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        """Generate completions for text prompts or token-id lists; one RequestOutput per
+        prompt, in input order."""
+        prompt_list, params_list = self._normalize(prompts, sampling_params)
+        order: dict[str, int] = {}
+        try:
+            for i, (prompt, params) in enumerate(zip(prompt_list, params_list)):
+                final = params.clone()
+                final.output_kind = RequestOutputKind.FINAL_ONLY
+                order[self._add_request(prompt, final)] = i
+        except Exception:
+            self._abort_all(list(order))
+            raise
+        results: list[RequestOutput | None] = [None] * len(prompt_list)
+        bar = _progress(len(prompt_list)) if use_tqdm else None
+        while self.output_processor.has_unfinished():
+            for out in self._step():
+                if out.finished:
+                    results[order[out.request_id]] = out
+                    if bar is not None:
+                        bar.update(1)
+        if bar is not None:
+            bar.close()
+        return [r for r in results if r is not None]
+
+    def generate_stream(self, prompt: PromptType,
+                        sampling_params: SamplingParams | None = None
+                        ) -> Iterator[RequestOutput]:
+        """Yield RequestOutputs carrying only what is new (DELTA) as tokens arrive."""
+        params = (sampling_params or SamplingParams()).clone()
+        params.output_kind = RequestOutputKind.DELTA
+        request_id = self._add_request(prompt, params)
+        try:
+            while self.output_processor.has_unfinished():
+                for out in self._step():
+                    if out.request_id == request_id:
+                        yield out
+                        if out.finished:
+                            return
+        finally:
+            self._abort_all([request_id])
+
+    def _abort_all(self, request_ids: list[str]) -> None:
+        for rid in request_ids:
+            child_ids = self.output_processor.abort(rid)
+            if child_ids:
+                self.engine.abort_requests(child_ids)
+
+    # ---- chat ---------------------------------------------------------------------------
+
+    def render_chat(self, messages: list[Message], add_generation_prompt: bool = True,
+                    continue_final_message: bool = False,
+                    chat_template_kwargs: dict[str, Any] | None = None) -> list[int]:
+        if self.tokenizer is None:
+            raise ValueError("this model has no tokenizer, so it cannot render chat messages")
+        text = self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            chat_template_kwargs=chat_template_kwargs)
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def chat(self, messages: list[Message] | list[list[Message]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = False, add_generation_prompt: bool = True,
+             continue_final_message: bool = False,
+             chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
+        """Render each conversation with the checkpoint's chat template and generate."""
+        conversations = ([messages] if messages and isinstance(messages[0], dict)
+                         else messages)
+        prompts: list[PromptType] = [
+            self.render_chat(conv, add_generation_prompt, continue_final_message,  # type: ignore[arg-type]
+                             chat_template_kwargs)
+            for conv in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+
+def _progress(total: int) -> Any:
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc="Processed prompts", unit="prompt")

@@ -1,0 +1,108 @@
+"""vllm-cli: a one-shot completion. The completion goes to stdout; everything else to stderr.
+
+    vllm-cli --model model.gguf --prompt "The capital of France is" --max-tokens 16
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from vllmpy.config import EngineArgs
+
+PROG = "vllm-cli"
+
+
+class _Parser(argparse.ArgumentParser):
+    """Bad flags and values exit 2 with one line naming them."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        print(f"{PROG}: {message}", file=sys.stderr)
+        raise SystemExit(2)
+
+
+def make_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog=PROG, description="Run a one-shot completion.", allow_abbrev=False)
+    p.add_argument("--prompt", required=True, help="prompt text")
+    p.add_argument("--max-tokens", type=int, default=16,
+                   help="most tokens to generate (<= 0: up to max_model_len)")
+    p.add_argument("--temperature", type=float, default=0.0, help="<= 0 means greedy")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus cutoff")
+    p.add_argument("--top-k", type=int, default=0, help="0 means all tokens")
+    p.add_argument("--seed", type=int, default=None, help="RNG seed for sampling")
+    p.add_argument("--stream", action="store_true", help="stream token deltas to stdout")
+    p.add_argument("--speculative-config", default=None,
+                   help="speculative decoding (vLLM's JSON); not supported yet")
+    p.add_argument("--repeat", type=int, default=None,
+                   help="load once, run N completions, report each run on stderr")
+    EngineArgs.add_cli_args(p)
+    return p
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    parser = make_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        parser.error(f"unknown argument '{extra[0]}'")
+    if args.speculative_config is not None:
+        parser.error("--speculative-config: speculative decoding is not supported yet")
+    if args.repeat is not None and args.repeat < 1:
+        parser.error(f"--repeat must be >= 1, got {args.repeat}")
+    if args.stream and args.repeat not in (None, 1):
+        print(f"{PROG}: --repeat is not supported with --stream; running once",
+              file=sys.stderr)
+        args.repeat = 1
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse(argv)
+    from vllmpy.engine.llm import LLM
+    from vllmpy.sampling_params import SamplingParams
+
+    try:
+        params = SamplingParams(
+            temperature=max(args.temperature, 0.0), top_p=args.top_p, top_k=args.top_k,
+            seed=args.seed, max_tokens=args.max_tokens)
+        llm = LLM(**vars(EngineArgs.from_cli_args(args)))
+    except ValueError as e:
+        print(f"{PROG}: {e}", file=sys.stderr)
+        return 2
+    runs = args.repeat or 1
+    for run in range(1, runs + 1):
+        try:
+            start_unix, start = time.time(), time.perf_counter()
+            if args.stream:
+                out = None
+                for out in llm.generate_stream(args.prompt, params):
+                    sys.stdout.write(out.outputs[0].text)
+                    sys.stdout.flush()
+                sys.stdout.write("\n")
+            else:
+                out = llm.generate(args.prompt, params)[0]
+                sys.stdout.write(out.outputs[0].text + "\n")
+            sys.stdout.flush()
+            secs = time.perf_counter() - start
+            end_unix = time.time()
+        except ValueError as e:
+            print(f"{PROG}: {e}", file=sys.stderr)
+            return 2
+        if args.repeat is not None and out is not None:
+            _report(run, runs, out, secs, start_unix, end_unix)
+    return 0
+
+
+def _report(run: int, runs: int, out, secs: float, start_unix: float, end_unix: float) -> None:
+    completion = out.outputs[0]
+    n_out = len(completion.token_ids) if out.finished else 0
+    tok_s = n_out / secs if secs > 0 else 0.0
+    print(f"{PROG}: run={run}/{runs} finish_reason={completion.finish_reason} "
+          f"prompt_tokens={len(out.prompt_token_ids)} completion_tokens={n_out} "
+          f"secs={secs:.3f} tok_s={tok_s:.3f}", file=sys.stderr)
+    print(f"{PROG}: run={run}/{runs} generate_start_unix={start_unix:.6f} "
+          f"generate_end_unix={end_unix:.6f}", file=sys.stderr, flush=True)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

