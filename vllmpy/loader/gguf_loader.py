@@ -1,0 +1,326 @@
+"""Read a single ``.gguf`` file as a Hugging Face config plus Hugging Face named weights.
+
+A GGUF file carries its model config as key/value metadata (``llama.block_count``, ...)
+and its tensors under llama.cpp names (``blk.0.attn_q.weight``), possibly quantized.
+This module turns both into what the rest of the engine already understands:
+
+* ``open_gguf(path)`` reads the metadata and builds a config.json-shaped dict;
+* ``iter_gguf_weights(ckpt, dtype)`` yields ``(hf_name, tensor)`` pairs, each tensor
+  dequantized to ``dtype`` in the Hugging Face layout ``[out_features, in_features]``.
+
+Everything the loader does not understand (architecture, tensor type, tensor name,
+metadata it cannot express) is refused with a ``GGUFLoadError`` that names the thing,
+before any weight is yielded.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import gguf
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType as QType
+
+from vllmpy.loader.gguf_file import GGUFFile, open_gguf_file
+
+
+class GGUFLoadError(ValueError):
+    """A GGUF file (or part of it) that this loader refuses to load."""
+
+
+# general.architecture -> Hugging Face `architectures` entry.
+ARCHITECTURES: dict[str, str] = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+
+# Tensor types we dequantize (all through gguf.quants.dequantize). The k-quants without a
+# real file in the tests (Q2_K, Q3_K, Q5_K) and Q5_1 go through the same numpy code path.
+SUPPORTED_TYPES: frozenset[QType] = frozenset({
+    QType.F32, QType.F16, QType.BF16,
+    QType.Q4_0, QType.Q4_1, QType.Q5_0, QType.Q5_1, QType.Q8_0,
+    QType.Q2_K, QType.Q3_K, QType.Q4_K, QType.Q5_K, QType.Q6_K,
+})
+
+# Names outside the transformer blocks.
+_GLOBAL_NAMES: dict[str, str] = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+
+# blk.N.<gguf part> -> model.layers.N.<hf part>; the suffix (.weight / .bias) is kept.
+_BLOCK_PARTS: dict[str, str] = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+# Extra block parts that only some architectures have.
+_ARCH_BLOCK_PARTS: dict[str, dict[str, str]] = {
+    "qwen3": {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"},
+}
+
+# `rope_freqs.weight` holds llama.cpp's per-frequency divisors for Llama 3.1-style rope
+# scaling. It is not a parameter: we read it into `rope_scaling` (type "llama3") in
+# `_rope_scaling` and skip it when loading weights. It is the only tensor we skip.
+_ROPE_FREQS = "rope_freqs.weight"
+
+_BLOCK_RE = re.compile(r"blk\.(\d+)\.([a-z_0-9]+)\.(weight|bias)")
+
+
+@dataclass(frozen=True)
+class GGUFCheckpoint:
+    """An opened GGUF file: its architecture, a Hugging Face config, and the raw reader."""
+
+    path: str  # the .gguf file
+    architecture: str  # general.architecture, e.g. "llama", "qwen2", "qwen3"
+    hf_config: dict  # config.json-shaped dict built from the metadata (see `_hf_config`)
+    reader: GGUFFile  # memory-mapped file; other modules read metadata from it
+
+    def metadata(self, key: str, default: Any = None) -> Any:
+        """The decoded value of KV field ``key`` (int, float, bool, str or list), or ``default``."""
+        return self.reader.metadata.get(key, default)
+
+
+def open_gguf(path: str) -> GGUFCheckpoint:
+    """Open ``path`` and build its Hugging Face config; refuses unknown architectures."""
+    reader = open_gguf_file(str(path))
+    architecture = reader.metadata.get("general.architecture")
+    if architecture is None:
+        raise GGUFLoadError(f"{path}: no general.architecture key; is this a model file?")
+    if architecture not in ARCHITECTURES:
+        raise GGUFLoadError(
+            f"GGUF architecture {architecture!r} is not supported; "
+            f"supported: {sorted(ARCHITECTURES)}")
+    ckpt = GGUFCheckpoint(str(path), architecture, {}, reader)
+    ckpt.hf_config.update(_hf_config(ckpt))
+    return ckpt
+
+
+def _require(ckpt: GGUFCheckpoint, key: str) -> Any:
+    value = ckpt.metadata(key)
+    if value is None:
+        raise GGUFLoadError(f"{ckpt.path}: required metadata key {key!r} is missing")
+    return value
+
+
+def _as_float(value: Any) -> float:
+    # Metadata floats are float32; Hugging Face reports them widened, e.g. 9.99999974e-06.
+    return float(np.float32(value))
+
+
+def _hf_config(ckpt: GGUFCheckpoint) -> dict:
+    arch = ckpt.architecture
+    tensor_names = {t.name for t in ckpt.reader.tensors}
+    hidden = int(_require(ckpt, f"{arch}.embedding_length"))
+    heads = int(_require(ckpt, f"{arch}.attention.head_count"))
+    head_dim = int(ckpt.metadata(f"{arch}.attention.key_length", hidden // heads))
+    rope_dim = ckpt.metadata(f"{arch}.rope.dimension_count")
+    if rope_dim is not None and int(rope_dim) != head_dim:
+        raise GGUFLoadError(
+            f"{ckpt.path}: {arch}.rope.dimension_count={rope_dim} differs from head_dim="
+            f"{head_dim}; partial rotary embeddings are not supported for {arch}")
+
+    config: dict[str, Any] = {
+        "architectures": [ARCHITECTURES[arch]],
+        "model_type": arch,
+        "hidden_size": hidden,
+        "intermediate_size": int(_require(ckpt, f"{arch}.feed_forward_length")),
+        "num_hidden_layers": int(_require(ckpt, f"{arch}.block_count")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(ckpt.metadata(f"{arch}.attention.head_count_kv", heads)),
+        "head_dim": head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": _as_float(_require(ckpt, f"{arch}.attention.layer_norm_rms_epsilon")),
+        "rope_theta": _as_float(ckpt.metadata(f"{arch}.rope.freq_base", 10000.0)),
+        "max_position_embeddings": int(_require(ckpt, f"{arch}.context_length")),
+        "vocab_size": _vocab_size(ckpt),
+        "tie_word_embeddings": "output.weight" not in tensor_names,
+        # Qwen2 always has q/k/v biases; the others have them only if the file does.
+        "attention_bias": arch == "qwen2" or "blk.0.attn_q.bias" in tensor_names,
+        "torch_dtype": "float32",
+    }
+    for hf_key, gguf_key in (("bos_token_id", "tokenizer.ggml.bos_token_id"),
+                             ("eos_token_id", "tokenizer.ggml.eos_token_id"),
+                             ("pad_token_id", "tokenizer.ggml.padding_token_id")):
+        if (value := ckpt.metadata(gguf_key)) is not None:
+            config[hf_key] = int(value)
+    if (rope_scaling := _rope_scaling(ckpt, head_dim, config["rope_theta"])) is not None:
+        config["rope_scaling"] = rope_scaling
+    return config
+
+
+def _vocab_size(ckpt: GGUFCheckpoint) -> int:
+    arch = ckpt.architecture
+    if (value := ckpt.metadata(f"{arch}.vocab_size")) is not None:
+        return int(value)
+    tokens = ckpt.reader.metadata.get("tokenizer.ggml.tokens")
+    if tokens is not None:
+        return len(tokens)
+    for t in ckpt.reader.tensors:
+        if t.name == "token_embd.weight":
+            return int(t.shape[-1])  # GGUF dims are [in, out]: rows are the last one
+    raise GGUFLoadError(f"{ckpt.path}: cannot tell vocab_size (no {arch}.vocab_size, "
+                        "no tokenizer.ggml.tokens, no token_embd.weight)")
+
+
+def _rope_scaling(ckpt: GGUFCheckpoint, head_dim: int, theta: float) -> dict | None:
+    """rope_scaling declared by the file: rope.scaling.* keys, or a llama3 rope_freqs tensor."""
+    arch = ckpt.architecture
+    kind = ckpt.metadata(f"{arch}.rope.scaling.type")
+    factor = ckpt.metadata(f"{arch}.rope.scaling.factor")
+    if kind is None and ckpt.metadata(f"{arch}.rope.scale_linear") is not None:
+        kind, factor = "linear", ckpt.metadata(f"{arch}.rope.scale_linear")
+    freqs = next((t for t in ckpt.reader.tensors if t.name == _ROPE_FREQS), None)
+    if kind is not None and kind != "none":
+        if freqs is not None:
+            raise GGUFLoadError(f"{ckpt.path}: both {arch}.rope.scaling.type={kind!r} and "
+                                f"tensor {_ROPE_FREQS!r}; only one rope scaling is supported")
+        if kind not in ("linear", "yarn"):
+            raise GGUFLoadError(f"{ckpt.path}: {arch}.rope.scaling.type={kind!r} is not "
+                                "supported; supported: ['linear', 'yarn']")
+        scaling: dict[str, Any] = {"rope_type": kind, "factor": _as_float(factor or 1.0)}
+        optional = (("original_max_position_embeddings", "original_context_length", int),
+                    ("attention_factor", "attn_factor", _as_float),
+                    ("attention_factor", "yarn_attn_factor", _as_float),
+                    ("beta_fast", "yarn_beta_fast", _as_float),
+                    ("beta_slow", "yarn_beta_slow", _as_float))
+        for hf_key, suffix, cast in optional:
+            value = ckpt.metadata(f"{arch}.rope.scaling.{suffix}")
+            if value is not None and hf_key not in scaling:
+                scaling[hf_key] = cast(value)
+        return scaling
+    return None if freqs is None else _llama3_scaling(ckpt, freqs, head_dim, theta)
+
+
+def _llama3_scaling(ckpt: GGUFCheckpoint, tensor: Any, head_dim: int, theta: float) -> dict:
+    """Recover Llama 3.1's rope_scaling from the divisors llama.cpp stored in rope_freqs.
+
+    llama.cpp's converter evaluates the llama3 rule with the Hugging Face parameters and
+    stores the result; we assume the published parameters (low 1, high 4, original 8192),
+    take the factor from the largest divisor, and accept them only if they reproduce every
+    stored divisor. Anything else is refused rather than silently run unscaled.
+    """
+    stored = np.asarray(gguf.quants.dequantize(tensor.data, tensor.tensor_type),
+                        dtype=np.float64).reshape(-1)
+    scaling = {"rope_type": "llama3", "factor": float(stored.max()), "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    inv_freq = theta ** -(np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    if stored.shape != inv_freq.shape or not np.allclose(
+            llama3_rope_divisors(inv_freq, scaling), stored, rtol=1e-4):
+        raise GGUFLoadError(
+            f"{ckpt.path}: tensor {_ROPE_FREQS!r} does not match llama3 rope scaling with "
+            f"{scaling}; custom rope frequency factors are not supported")
+    return scaling
+
+
+def llama3_rope_divisors(inv_freq: np.ndarray, scaling: dict) -> np.ndarray:
+    """Per-frequency divisor of the llama3 rope rule (inv_freq_scaled = inv_freq / divisor)."""
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    original = scaling["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    smooth = np.clip((original / wavelen - low) / (high - low), 0.0, 1.0)
+    # smooth = 1 (short wavelengths) keeps the frequency; smooth = 0 divides it by factor.
+    return 1.0 / ((1 - smooth) / factor + smooth)
+
+
+def hf_weight_name(architecture: str, gguf_name: str) -> str | None:
+    """The Hugging Face name of GGUF tensor ``gguf_name``; None if it is unknown."""
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    match = _BLOCK_RE.fullmatch(gguf_name)
+    if match is None:
+        return None
+    layer, part, suffix = match.groups()
+    hf_part = _BLOCK_PARTS.get(part) or _ARCH_BLOCK_PARTS.get(architecture, {}).get(part)
+    return None if hf_part is None else f"model.layers.{layer}.{hf_part}.{suffix}"
+
+
+def _rotary_heads(ckpt: GGUFCheckpoint, gguf_name: str) -> int | None:
+    """Head count to un-interleave ``gguf_name`` by, or None if it is stored as in HF.
+
+    Only llama.cpp's ``llama`` converter permutes q/k rows; qwen2 and qwen3 keep HF order.
+    """
+    match = _BLOCK_RE.fullmatch(gguf_name)
+    if ckpt.architecture != "llama" or match is None:
+        return None
+    heads_key = {"attn_q": "num_attention_heads", "attn_k": "num_key_value_heads"}.get(
+        match.group(2))
+    return None if heads_key is None else ckpt.hf_config[heads_key]
+
+
+def _plan(ckpt: GGUFCheckpoint) -> list[tuple[Any, str, int | None]]:
+    """(tensor, HF name, rotary heads) for every weight; refuses unknown names and types."""
+    plan = []
+    for tensor in ckpt.reader.tensors:
+        if tensor.name == _ROPE_FREQS:
+            continue  # folded into hf_config["rope_scaling"] by open_gguf
+        hf_name = hf_weight_name(ckpt.architecture, tensor.name)
+        if hf_name is None:
+            raise GGUFLoadError(
+                f"{ckpt.path}: unexpected tensor {tensor.name!r} for architecture "
+                f"{ckpt.architecture!r}")
+        if tensor.tensor_type not in SUPPORTED_TYPES:
+            raise GGUFLoadError(
+                f"{ckpt.path}: tensor {tensor.name!r} has type {tensor.tensor_type.name}, "
+                f"which is not supported; supported: {sorted(t.name for t in SUPPORTED_TYPES)}")
+        plan.append((tensor, hf_name, _rotary_heads(ckpt, tensor.name)))
+    return plan
+
+
+def iter_gguf_weights(
+    ckpt: GGUFCheckpoint, dtype: torch.dtype
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(hf_name, tensor)`` for every weight, dequantized to ``dtype`` in HF layout.
+
+    All names and types are checked before the first tensor is yielded. For ``llama``,
+    llama.cpp's rotary row interleaving of attn_q / attn_k (weights and biases) is undone.
+    Tied checkpoints (no ``output.weight``) yield no ``lm_head.weight``; the model ties it
+    to the embedding.
+    """
+    for tensor, hf_name, rotary_heads in _plan(ckpt):
+        weight = _dequantize(tensor, dtype)
+        if rotary_heads is not None:
+            weight = unpermute_rotary_rows(weight, rotary_heads, tensor.name)
+        yield hf_name, weight
+
+
+def _dequantize(tensor: Any, dtype: torch.dtype) -> torch.Tensor:
+    """Dequantize one reader tensor to a fresh ``dtype`` tensor of HF shape [out, in]."""
+    # The reader lists dims innermost first ([in, out]); HF order is the reverse.
+    hf_shape = tuple(int(d) for d in reversed(tensor.shape))
+    array = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+    if array.size != math.prod(hf_shape):
+        raise GGUFLoadError(f"tensor {tensor.name!r}: {array.size} values after dequantizing "
+                            f"{tensor.tensor_type.name}, expected shape {hf_shape}")
+    if not array.flags.writeable:
+        array = array.copy()  # F32 comes back as a read-only view of the memory map
+    return torch.from_numpy(array.reshape(hf_shape)).to(dtype)
+
+
+def unpermute_rotary_rows(weight: torch.Tensor, n_head: int, name: str = "tensor") -> torch.Tensor:
+    """Undo llama.cpp's conversion-time permutation of Llama q/k rows (weight or bias).
+
+    Hugging Face Llama rotates the two halves of each head's dims ([x0..x{d/2-1}],
+    [x{d/2}..]); llama.cpp rotates adjacent pairs, so its converter interleaves each head's
+    rows as (0, d/2, 1, d/2+1, ...). We view each head as [d/2, 2] and swap back to [2, d/2].
+    """
+    rows = weight.shape[0]
+    if rows % (2 * n_head) != 0:
+        raise GGUFLoadError(f"tensor {name!r}: {rows} rows do not split into {n_head} heads "
+                            "of even size")
+    # [n_head, head_dim/2, 2, *rest] -> [n_head, 2, head_dim/2, *rest]
+    split = weight.reshape(n_head, rows // n_head // 2, 2, *weight.shape[1:])
+    return split.transpose(1, 2).reshape(weight.shape).contiguous()
