@@ -44,6 +44,9 @@ def _prompts(n: int, vocab: int, seed: int = 1) -> list[list[int]]:
     return [torch.randint(0, vocab, (k,), generator=g).tolist() for k in lens]
 
 
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
 @pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3"])
 def tiny(request, tmp_path_factory):
     path = tmp_path_factory.mktemp(request.param)
@@ -51,12 +54,17 @@ def tiny(request, tmp_path_factory):
     return request.param, path, model
 
 
+@pytest.fixture(params=DEVICES)
+def device(request):
+    return request.param
+
+
 GREEDY = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
 
 
-def test_greedy_matches_transformers(tiny):
+def test_greedy_matches_transformers(tiny, device):
     kind, path, hf_model = tiny
-    llm = LLM(str(path), skip_tokenizer_init=True, device="cpu", dtype="float32", block_size=16, num_blocks=64)
+    llm = LLM(str(path), skip_tokenizer_init=True, device=device, dtype="float32", block_size=16, num_blocks=64)
     prompts = _prompts(8, COMMON["vocab_size"])
     outs = llm.generate(prompts, GREEDY)
     compared = 0
@@ -67,22 +75,22 @@ def test_greedy_matches_transformers(tiny):
     assert compared >= 8 * 16, f"too few tokens compared ({compared}): near-ties everywhere?"
 
 
-def test_batching_chunking_and_preemption_agree(tiny):
+def test_batching_chunking_and_preemption_agree(tiny, device):
     """Together, one at a time, in small prefill chunks, and under preemption: the same
     greedy tokens, and every block is free afterwards."""
     kind, path, _ = tiny
     prompts = _prompts(16, COMMON["vocab_size"], seed=2)
-    base = LLM(str(path), skip_tokenizer_init=True, device="cpu", dtype="float32", block_size=16, num_blocks=128)
+    base = LLM(str(path), skip_tokenizer_init=True, device=device, dtype="float32", block_size=16, num_blocks=128)
     together = [o.outputs[0].token_ids for o in base.generate(prompts, GREEDY)]
     alone = [base.generate([p], GREEDY)[0].outputs[0].token_ids for p in prompts]
     assert together == alone
 
-    chunked = LLM(str(path), skip_tokenizer_init=True, device="cpu", dtype="float32", block_size=16, num_blocks=128,
+    chunked = LLM(str(path), skip_tokenizer_init=True, device=device, dtype="float32", block_size=16, num_blocks=128,
                   max_num_batched_tokens=7)
     assert [o.outputs[0].token_ids for o in chunked.generate(prompts, GREEDY)] == together
 
     # 12 blocks of 4 tokens cannot hold 16 requests of up to 71 tokens: preemption is forced
-    small = LLM(str(path), skip_tokenizer_init=True, device="cpu", dtype="float32", block_size=4, num_blocks=20,
+    small = LLM(str(path), skip_tokenizer_init=True, device=device, dtype="float32", block_size=4, num_blocks=20,
                 max_model_len=80)
     outs = small.generate(prompts, GREEDY)
     assert [o.outputs[0].token_ids for o in outs] == together

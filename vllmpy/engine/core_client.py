@@ -24,6 +24,9 @@ class EngineCoreClient:
         """Run (or wait for) one step and return its per-request deltas."""
         raise NotImplementedError
 
+    def has_unfinished_requests(self) -> bool:
+        raise NotImplementedError
+
     def shutdown(self) -> None:
         pass
 
@@ -40,3 +43,6 @@ class InprocClient(EngineCoreClient):
 
     def get_output(self) -> list[EngineCoreOutput]:
         return self.engine_core.step()
+
+    def has_unfinished_requests(self) -> bool:
+        return self.engine_core.has_unfinished_requests()

@@ -11,7 +11,8 @@ from vllmpy.config import EngineArgs
 from vllmpy.engine.configure import build_engine_config
 from vllmpy.engine.core_client import InprocClient
 from vllmpy.engine.input_processor import InputProcessor, PromptType
-from vllmpy.engine.output_processor import OutputProcessor
+from vllmpy.engine.output_processor import OutputProcessor, child_request_id
+from vllmpy.loader.load_stats import LoadStats
 from vllmpy.loader.source import load_tokenizer, resolve_model_source
 from vllmpy.outputs import RequestOutput
 from vllmpy.sampling_params import RequestOutputKind, SamplingParams
@@ -29,13 +30,17 @@ class LLM:
         unknown = sorted(set(kwargs) - known)
         if unknown:
             raise TypeError(f"LLM() got unknown engine argument(s): {', '.join(unknown)}")
-        self.engine_args = EngineArgs(model=model, **kwargs)
-        self.source = resolve_model_source(
-            model, load_format=self.engine_args.load_format,
-            revision=self.engine_args.revision, download_dir=self.engine_args.download_dir)
-        self.config = build_engine_config(self.engine_args, self.source)
-        self.tokenizer = load_tokenizer(self.source, self.engine_args.tokenizer_config,
-                                        skip=self.engine_args.skip_tokenizer_init)
+        self.engine_args = args = EngineArgs(model=model, **kwargs)
+        stats = LoadStats()
+        with stats.phase("config"):
+            self.source = resolve_model_source(
+                model, load_format=args.load_format, revision=args.revision,
+                download_dir=args.download_dir)
+            self.config = build_engine_config(args, self.source)
+        with stats.phase("tokenizer"):
+            self.tokenizer = load_tokenizer(self.source, args.tokenizer_config,
+                                            skip=args.skip_tokenizer_init)
+        stats.report()
         self.input_processor = InputProcessor(self.config.model, self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.engine = InprocClient(self.config, self.source)
@@ -47,6 +52,7 @@ class LLM:
     # ---- requests -----------------------------------------------------------------------
 
     def _add_request(self, prompt: PromptType, params: SamplingParams) -> str:
+        """Validate and tokenize first, so a refused prompt leaves no trace anywhere."""
         text, ids = self.input_processor.tokenize(prompt)
         request_id = str(next(self._counter))
         children = []
@@ -56,15 +62,20 @@ class LLM:
             if params.seed is not None:
                 child.seed = params.seed + i
             children.append(child)
-        child_ids = self.output_processor.add_request(request_id, text, ids, children)
-        core_requests = [self.input_processor.process(cid, ids, p)
-                         for cid, p in zip(child_ids, children)]
+        core_requests = [
+            self.input_processor.process(child_request_id(request_id, i, params.n), ids, p)
+            for i, p in enumerate(children)]
+        self.output_processor.add_request(request_id, text, ids, children)
         for req in core_requests:
             self.engine.add_request(req)
         return request_id
 
     def _step(self) -> list[RequestOutput]:
-        outputs, to_abort = self.output_processor.process_outputs(self.engine.get_output())
+        core_outputs = self.engine.get_output()
+        if not core_outputs and not self.engine.has_unfinished_requests():
+            raise RuntimeError("the engine core has no requests left but the frontend still "
+                               "waits for some; this is a bug")
+        outputs, to_abort = self.output_processor.process_outputs(core_outputs)
         if to_abort:
             self.engine.abort_requests(to_abort)
         return outputs

@@ -85,7 +85,7 @@ class GGUFFile:
     def __init__(self, path: str) -> None:
         self.path = path
         mm = np.memmap(path, dtype=np.uint8, mode="r")
-        buf = memoryview(mm)
+        buf = memoryview(mm)  # type: ignore[arg-type]
         if bytes(buf[:4]) != _MAGIC:
             raise GGUFFormatError(f"{path} is not a GGUF file (bad magic)")
         cur = _Cursor(buf)

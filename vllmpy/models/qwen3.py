@@ -18,7 +18,7 @@ from vllmpy.layers.rotary import RotaryEmbedding
 from vllmpy.models.weights import load_packed_weights
 
 # checkpoint name fragment -> (packed parameter fragment, shard id)
-PACKED_MODULES = {
+PACKED_MODULES: dict[str, tuple[str, str | int]] = {
     "q_proj": ("qkv_proj", "q"),
     "k_proj": ("qkv_proj", "k"),
     "v_proj": ("qkv_proj", "v"),
@@ -119,7 +119,7 @@ class Qwen3ForCausalLM(nn.Module):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load checkpoint tensors (Hugging Face names); returns the parameter names loaded."""
-        skip = ("rotary_emb.inv_freq",)
+        skip: tuple[str, ...] = ("rotary_emb.inv_freq",)
         if self.config.tie_word_embeddings:
             skip += ("lm_head.weight",)
         return load_packed_weights(self, weights, PACKED_MODULES, skip)

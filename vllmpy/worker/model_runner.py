@@ -13,6 +13,7 @@ from vllmpy.core.sched_output import ModelRunnerOutput, NewRequestData, Schedule
 from vllmpy.layers.attention import Attention
 from vllmpy.loader.load_stats import LoadStats
 from vllmpy.loader.source import ModelSource, iter_checkpoint_weights
+from vllmpy.models.interface import CausalLM
 from vllmpy.models.registry import resolve_model_class
 from vllmpy.sample.metadata import SamplingMetadata
 from vllmpy.sample.sampler import Sampler
@@ -57,8 +58,9 @@ class ModelRunner:
         self.eos_token_ids = set(config.model.eos_token_ids)
         self.requests: dict[str, CachedRequestState] = {}
         self.sampler = Sampler()
-        self.model: nn.Module | None = None
+        self.model: CausalLM | None = None
         self.kv_caches: list[torch.Tensor] = []
+        self._load_stats = LoadStats()
 
     # ---- start-up -------------------------------------------------------------------
 
@@ -74,10 +76,11 @@ class ModelRunner:
             if source.kind == "dummy":
                 self._load_dummy(model)
             else:
-                model.load_weights(iter_checkpoint_weights(source, mc.dtype))
+                model.load_weights(  # type: ignore[operator]
+                    iter_checkpoint_weights(source, mc.dtype))
         model.eval()
-        self.model = model
-        stats.report()
+        self.model = model  # type: ignore[assignment]
+        self._load_stats = stats
 
     def _load_dummy(self, model: nn.Module) -> None:
         from vllmpy.loader.dummy import dummy_weights
@@ -95,9 +98,12 @@ class ModelRunner:
         text = self.config.model.text_config
         shape = (2, cache.num_blocks, cache.block_size, text.num_key_value_heads,
                  text.head_dim)
+        assert isinstance(self.model, nn.Module)
         layers = [m for m in self.model.modules() if isinstance(m, Attention)]
-        self.kv_caches = [torch.zeros(shape, dtype=cache.kv_cache_dtype, device=self.device)
-                          for _ in layers]
+        with self._load_stats.phase("kv_cache"):
+            self.kv_caches = [torch.zeros(shape, dtype=cache.kv_cache_dtype, device=self.device)
+                              for _ in layers]
+        self._load_stats.report()
         for layer, kv in zip(layers, self.kv_caches):
             layer.kv_cache = kv
 

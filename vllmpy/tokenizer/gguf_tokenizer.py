@@ -1,0 +1,175 @@
+"""A byte-level BPE tokenizer rebuilt from a GGUF file's `tokenizer.*` metadata.
+
+A GGUF carries no tokenizer.json: it stores the vocabulary (`tokenizer.ggml.tokens`), the merges,
+each token's type, the special token ids and the name of the text-splitting rule
+(`tokenizer.ggml.pre`). We rebuild the tokenizer Hugging Face transformers builds from the same
+file (`AutoTokenizer.from_pretrained(dir, gguf_file=...)`), which is the oracle the tests compare
+against:
+
+- vocabulary: tokens spelled in the byte alphabet as they are; any other token (rare) re-spelled
+  byte by byte from its UTF-8 text;
+- control tokens (type 3) become special added tokens (matched whole in text, dropped by
+  `decode(skip_special_tokens=True)`); user-defined tokens (type 4, e.g. `<tool_call>`) become
+  plain added tokens (matched whole, kept on decode); BOS/EOS/UNK/PAD are special too;
+- the split regex chosen by `tokenizer.ggml.pre` (`_PRE_TOKENIZERS`);
+- BOS/EOS added by `encode(add_special_tokens=True)` only when `tokenizer.ggml.add_bos_token` /
+  `add_eos_token` say so (both default to false for a byte-level vocabulary).
+
+`smollm` note: SmolLM's own tokenizer.json (and llama.cpp) split every digit off before the GPT-2
+regex; transformers' GGUF conversion does not, and uses the plain GPT-2 regex. We follow
+transformers. The ids differ only before a numeric character: after a run of two or more
+whitespace characters, and after a single space when the numeral is not ASCII (² ½ ١). See
+tests/tokenizer/test_gguf_tokenizer.py::test_smollm_digit_split_divergence.
+`qwen2` note: Qwen2's own tokenizer.json NFC-normalizes text first; transformers' conversion (and
+llama.cpp) do not, so text that is not in NFC (e.g. "e" + U+0301) differs. We follow transformers.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from gguf import GGUFReader
+from tokenizers import AddedToken, Regex, decoders, pre_tokenizers
+from tokenizers import Tokenizer as BackendTokenizer
+from tokenizers.models import BPE
+
+from vllmpy.loader.gguf_file import GGUFFile, open_gguf_file
+from vllmpy.tokenizer.tokenizer import Tokenizer, bos_eos_post_processor, byte_level_alphabet
+
+# llama.cpp's token types (gguf.TokenType).
+_CONTROL = 3
+_USER_DEFINED = 4
+
+# Qwen2's split: one digit at a time, letters with one leading non-letter, newline runs apart.
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+# Llama 3's split: like Qwen2's but numbers in groups of up to three digits.
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+
+def _regex_split(pattern: str) -> pre_tokenizers.PreTokenizer:
+    return pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(pattern), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+
+
+def _gpt2_split() -> pre_tokenizers.PreTokenizer:
+    # ByteLevel with use_regex=True applies GPT-2's own split regex.
+    return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+
+
+# tokenizer.ggml.pre -> the pre-tokenizer transformers gives that file.
+_PRE_TOKENIZERS = {
+    "qwen2": lambda: _regex_split(_QWEN2_SPLIT),
+    "llama-bpe": lambda: _regex_split(_LLAMA3_SPLIT),
+    "smollm": _gpt2_split,
+    "gpt-2": _gpt2_split,
+    "default": _gpt2_split,
+}
+SUPPORTED_PRE = tuple(_PRE_TOKENIZERS)
+SUPPORTED_MODELS = ("gpt2",)
+
+
+def read_tokenizer_metadata(reader: GGUFReader | GGUFFile) -> dict[str, Any]:
+    """Every `tokenizer.*` field of the file, decoded to Python values."""
+    if isinstance(reader, GGUFFile):
+        return {k: v for k, v in reader.metadata.items() if k.startswith("tokenizer.")}
+    return {name: field.contents() for name, field in reader.fields.items()
+            if name.startswith("tokenizer.")}
+
+
+def load_gguf_tokenizer(path_or_reader: str | Path | GGUFReader | GGUFFile) -> Tokenizer:
+    """Build the tokenizer a GGUF file describes; refuse by name what we cannot build."""
+    if isinstance(path_or_reader, (GGUFReader, GGUFFile)):
+        reader, where = path_or_reader, "GGUF file"
+    else:
+        path = Path(path_or_reader)
+        if not path.is_file():
+            raise ValueError(f"GGUF file not found: {path}")
+        reader, where = open_gguf_file(str(path)), str(path)
+    return tokenizer_from_metadata(read_tokenizer_metadata(reader), where)
+
+
+def tokenizer_from_metadata(meta: dict[str, Any], where: str = "GGUF file") -> Tokenizer:
+    """The tokenizer for already-read `tokenizer.*` metadata (see `read_tokenizer_metadata`)."""
+    model = meta.get("tokenizer.ggml.model")
+    if model not in SUPPORTED_MODELS:
+        raise ValueError(f"{where}: tokenizer.ggml.model={model!r} is not supported; supported "
+                         f"tokenizer models: {list(SUPPORTED_MODELS)}")
+    pre = meta.get("tokenizer.ggml.pre", "default")
+    if pre not in _PRE_TOKENIZERS:
+        raise ValueError(f"{where}: tokenizer.ggml.pre={pre!r} is not supported; supported "
+                         f"pre-tokenizers: {list(SUPPORTED_PRE)}")
+    tokens: list[str] = _required(meta, "tokenizer.ggml.tokens", where)
+    merges: list[str] = _required(meta, "tokenizer.ggml.merges", where)
+    token_types: list[int] = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+    if len(token_types) != len(tokens):
+        raise ValueError(f"{where}: tokenizer.ggml.token_type has {len(token_types)} entries "
+                         f"for {len(tokens)} tokens")
+
+    alphabet = set(byte_level_alphabet().values())
+    spell = byte_level_alphabet()
+
+    def byte_spelling(token: str) -> str:
+        if set(token) <= alphabet:
+            return token
+        return "".join(spell[b] for b in token.encode("utf-8"))
+
+    # A token listed twice maps to its last id, as in llama.cpp and transformers.
+    vocab = {byte_spelling(tok): i for i, tok in enumerate(tokens)}
+    pairs = []
+    for n, merge in enumerate(merges):
+        left, sep, right = merge.partition(" ")
+        if not sep or not left or not right:
+            raise ValueError(f"{where}: tokenizer.ggml.merges[{n}]={merge!r} is not 'A B'")
+        pairs.append((left, right))
+    backend = BackendTokenizer(BPE(vocab=vocab, merges=pairs, fuse_unk=False))
+    backend.pre_tokenizer = _PRE_TOKENIZERS[pre]()
+    backend.decoder = decoders.ByteLevel()
+
+    special_ids = {meta.get(f"tokenizer.ggml.{k}_token_id")
+                   for k in ("bos", "eos", "unknown", "padding")} - {None}
+    special = [AddedToken(tok, normalized=False, special=True)
+               for i, (tok, kind) in enumerate(zip(tokens, token_types))
+               # A control token outside the byte alphabet is a mislabel in the file.
+               if (kind == _CONTROL and set(tok) <= alphabet) or i in special_ids]
+    backend.add_special_tokens(special)
+    user = [AddedToken(tok, normalized=False, special=False)
+            for tok, kind in zip(tokens, token_types) if kind == _USER_DEFINED and tok in vocab]
+    backend.add_tokens(user)
+
+    bos_id = _token_id(meta, "bos", len(tokens), where)
+    eos_id = _token_id(meta, "eos", len(tokens), where)
+    backend.post_processor = bos_eos_post_processor(
+        None if bos_id is None else (tokens[bos_id], bos_id),
+        None if eos_id is None else (tokens[eos_id], eos_id),
+        add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", False)),
+        add_eos=bool(meta.get("tokenizer.ggml.add_eos_token", False)),
+    )
+    return Tokenizer(backend, bos_token_id=bos_id, eos_token_id=eos_id,
+                     chat_template=meta.get("tokenizer.chat_template"))
+
+
+def _required(meta: dict[str, Any], key: str, where: str) -> Any:
+    value = meta.get(key)
+    if not value:
+        raise ValueError(f"{where}: metadata {key} is missing or empty; cannot build a "
+                         f"byte-level BPE tokenizer without it")
+    return value
+
+
+def _token_id(meta: dict[str, Any], name: str, n_tokens: int, where: str) -> int | None:
+    value = meta.get(f"tokenizer.ggml.{name}_token_id")
+    if value is None:
+        return None
+    if not 0 <= int(value) < n_tokens:
+        raise ValueError(f"{where}: tokenizer.ggml.{name}_token_id={value} is outside the "
+                         f"vocabulary of {n_tokens} tokens")
+    return int(value)
