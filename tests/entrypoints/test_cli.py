@@ -92,10 +92,9 @@ def test_repeat_lines_and_stream():
         assert m1.group(1) == m2.group(1) == str(run + 1)
         assert (m1.group(2), m1.group(3), m1.group(4)) == ("length", "5", "8")
         assert float(m2.group(2)) <= float(m2.group(3))
-    completions = proc.stdout.splitlines()
-    assert len(completions) == 3 and len(set(completions)) == 1
-
     streamed = run_cli("--model", path, "--prompt", "The capital of France is",
                        "--max-tokens", "8", "--stream", "--device", "cpu")
     assert streamed.returncode == 0, streamed.stderr
-    assert streamed.stdout == completions[0] + "\n"
+    assert streamed.stdout.endswith("\n") and len(streamed.stdout) > 1
+    # three greedy runs print the same completion three times, each followed by a newline
+    assert proc.stdout == streamed.stdout * 3
