@@ -37,6 +37,7 @@ class TextModelConfig:
     vocab_size: int
     tie_word_embeddings: bool
     attention_bias: bool  # q/k/v projections carry biases (always for Qwen2)
+    sliding_window: int | None  # attention window the checkpoint was trained with, if any
 
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any]) -> TextModelConfig:
@@ -51,6 +52,8 @@ class TextModelConfig:
             raise ConfigError("model config has no 'architectures' entry")
         if cfg.get("use_sliding_window"):
             raise ConfigError("use_sliding_window=true (sliding-window attention) is not supported")
+        # Qwen2-style configs name a window but switch it off with use_sliding_window=false
+        window = None if cfg.get("use_sliding_window") is False else cfg.get("sliding_window")
         rope_params = cfg.get("rope_parameters") or {}
         rope_theta = cfg.get("rope_theta", rope_params.get("rope_theta", 10000.0))
         rope_scaling = cfg.get("rope_scaling")
@@ -75,6 +78,7 @@ class TextModelConfig:
             vocab_size=int(need("vocab_size")),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", is_qwen2)),
+            sliding_window=int(window) if window else None,
         )
 
 

@@ -90,3 +90,14 @@ def test_dummy_model_runs_on_token_ids(model_dir):
     assert len(out.outputs[0].token_ids) == 4
     with pytest.raises(ValueError, match="token ids"):
         llm.generate("text needs a tokenizer", SamplingParams(max_tokens=1))
+
+
+def test_sliding_window_models_are_limited_to_the_window(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({**CONFIG, "sliding_window": 256}))
+    with pytest.raises(ConfigError, match="sliding window of 256 tokens"):
+        build(str(tmp_path), num_blocks=16)
+    assert build(str(tmp_path), num_blocks=16, max_model_len=256).model.max_model_len == 256
+    # Qwen2-style: a window that use_sliding_window=false switches off
+    (tmp_path / "config.json").write_text(json.dumps(
+        {**CONFIG, "sliding_window": 256, "use_sliding_window": False}))
+    assert build(str(tmp_path), num_blocks=16).model.max_model_len == 512

@@ -134,3 +134,20 @@ def test_chat_template_kwargs_and_render(llm):
     assert text.endswith("<|im_start|>assistant\n")
     out = llm.chat(msgs, SamplingParams(temperature=0, max_tokens=4))
     assert out[0].prompt_token_ids == ids
+
+
+def test_prompt_dicts_and_token_ids(llm, greedy_text):
+    ids = llm.get_tokenizer().encode(PROMPT)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    outs = llm.generate([{"prompt": PROMPT}, {"prompt_token_ids": ids}, ids], params)
+    for out in outs:
+        assert out.prompt_token_ids == ids
+        assert out.outputs[0].token_ids == greedy_text.token_ids
+    assert outs[0].prompt == PROMPT and outs[1].prompt is None
+    with pytest.raises(ValueError, match="prompt dict"):
+        llm.generate({"text": PROMPT}, params)
+
+
+def test_stop_strings_need_detokenized_text(llm):
+    with pytest.raises(ValueError, match="stop strings need detokenized text"):
+        llm.generate(PROMPT, SamplingParams(stop=["x"], detokenize=False))

@@ -80,3 +80,36 @@ def test_eos_stops_generation(real):
     assert completion.finish_reason == "stop", f"{name}: {completion}"
     assert completion.token_ids[-1] in llm.config.model.eos_token_ids
     assert hf_tok.eos_token_id in llm.config.model.eos_token_ids
+
+
+def test_hf_directory_of_the_same_weights(real, tmp_path):
+    """The same checkpoint saved as a Hugging Face directory (safetensors, tokenizer.json,
+    tokenizer_config.json, generation_config.json) gives the same ids and tokens."""
+    name, gguf_llm, hf_tok, hf_model = real
+    if name != "smollm2":
+        pytest.skip("one real directory round-trip is enough; SmolLM2 is the small one")
+    import json
+
+    from safetensors.torch import save_file
+
+    # transformers will not re-serialize a model it loaded from GGUF, so write the
+    # directory by hand: its dequantized tensors, its config, its tokenizer files
+    config = hf_model.config.to_dict()
+    config.pop("quantization_config", None)
+    config["architectures"] = [type(hf_model).__name__]
+    state = {k: v.contiguous() for k, v in hf_model.state_dict().items()
+             if not (config.get("tie_word_embeddings") and k == "lm_head.weight")}
+    save_file(state, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    hf_model.generation_config.to_json_file(str(tmp_path / "generation_config.json"))
+    hf_tok.save_pretrained(tmp_path)
+    llm = LLM(str(tmp_path), device="cpu", dtype="float32", num_blocks=64)
+    assert llm.config.model.source_kind == "hf_dir"
+    assert llm.config.model.eos_token_ids == gguf_llm.config.model.eos_token_ids
+    dir_outs = llm.generate(PROMPTS[:4], GREEDY)
+    gguf_outs = gguf_llm.generate(PROMPTS[:4], GREEDY)
+    for a, b in zip(dir_outs, gguf_outs):
+        assert a.prompt_token_ids == b.prompt_token_ids
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert a.outputs[0].text == b.outputs[0].text
+    assert llm.render_chat(CHATS[1]) == gguf_llm.render_chat(CHATS[1])

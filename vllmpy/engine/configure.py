@@ -104,6 +104,11 @@ def build_engine_config(args: EngineArgs, source: ModelSource | None = None) -> 
         bytes_per_block=per_block,
     )
     max_model_len = _resolve_max_model_len(args, text, cache)
+    if text.sliding_window is not None and max_model_len > text.sliding_window:
+        raise ConfigError(
+            f"the model attends within a sliding window of {text.sliding_window} tokens, "
+            f"which is not implemented; serve at most that many with --max-model-len "
+            f"{text.sliding_window} (the resolved length is {max_model_len})")
     log(f"KV cache: {cache.num_blocks} blocks x {cache.block_size} tokens = "
         f"{cache.num_tokens} tokens, {cache.num_blocks * per_block} bytes "
         f"({str(kv_dtype).removeprefix('torch.')})")

@@ -10,7 +10,9 @@ from vllmpy.config import ModelConfig
 from vllmpy.engine.core import EngineCoreRequest
 from vllmpy.sampling_params import SamplingParams
 
-PromptType = str | list[int]
+# A prompt is text, a list of token ids, or vLLM's dict forms {"prompt": text} and
+# {"prompt_token_ids": ids}.
+PromptType = str | list[int] | dict[str, Any]
 
 
 class InputProcessor:
@@ -21,6 +23,14 @@ class InputProcessor:
 
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         """(prompt text or None, prompt token ids); raises ValueError on bad input."""
+        if isinstance(prompt, dict):
+            keys = set(prompt)
+            if keys == {"prompt"} and isinstance(prompt["prompt"], str):
+                return self.tokenize(prompt["prompt"])
+            if keys == {"prompt_token_ids"}:
+                return self.tokenize(list(prompt["prompt_token_ids"]))
+            raise ValueError(f"a prompt dict must be {{'prompt': str}} or "
+                             f"{{'prompt_token_ids': list[int]}}, got keys {sorted(keys)}")
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("no tokenizer is loaded (--skip-tokenizer-init, or a dummy-"
@@ -57,6 +67,9 @@ class InputProcessor:
         if n >= max_len:
             raise ValueError(f"the prompt is {n} tokens, at or past max_model_len ({max_len}): "
                              f"at most {max_len - 1} prompt tokens leave room to generate")
+        if params.stop_strings and (self.tokenizer is None or not params.detokenize):
+            raise ValueError("stop strings need detokenized text: this request has no "
+                             "tokenizer or detokenize=False; use stop_token_ids instead")
         for t in params.stop_token_ids or []:
             if t >= self.vocab_size:
                 raise ValueError(f"stop_token_ids entry {t} is out of range for the "

@@ -83,8 +83,8 @@ class LLM:
     def _normalize(self, prompts: PromptType | Sequence[PromptType],
                    sampling_params: SamplingParams | Sequence[SamplingParams] | None,
                    ) -> tuple[list[PromptType], list[SamplingParams]]:
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts
-                                        and isinstance(prompts[0], int)):
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
+                                                and isinstance(prompts[0], int)):
             prompt_list: list[PromptType] = [prompts]  # type: ignore[list-item]
         else:
             prompt_list = list(prompts)  # type: ignore[arg-type]
@@ -101,9 +101,10 @@ class LLM:
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = False) -> list[RequestOutput]:
-        """Generate completions for text prompts or token-id lists; one RequestOutput per
-        prompt, in input order."""
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Generate completions for prompts (text, token-id lists, or vLLM's prompt dicts);
+        one RequestOutput per prompt, in input order. ``use_tqdm`` shows a progress bar on
+        stderr, as vLLM does."""
         prompt_list, params_list = self._normalize(prompts, sampling_params)
         order: dict[str, int] = {}
         try:
@@ -164,7 +165,7 @@ class LLM:
 
     def chat(self, messages: list[Message] | list[list[Message]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             use_tqdm: bool = False, add_generation_prompt: bool = True,
+             use_tqdm: bool = True, add_generation_prompt: bool = True,
              continue_final_message: bool = False,
              chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
         """Render each conversation with the checkpoint's chat template and generate."""

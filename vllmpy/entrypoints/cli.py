@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
                     sys.stdout.flush()
                 sys.stdout.write("\n")
             else:
-                out = llm.generate(args.prompt, params)[0]
+                out = llm.generate(args.prompt, params, use_tqdm=False)[0]
                 sys.stdout.write(out.outputs[0].text + "\n")
             sys.stdout.flush()
             secs = time.perf_counter() - start
