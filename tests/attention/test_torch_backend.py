@@ -37,7 +37,7 @@ def test_chunks_over_cached_context_match_whole_sequence_attention():
         return [blocks[p // bs] * bs + p % bs for p in positions]
 
     # the cached context is written beforehand, as earlier steps would have
-    for (n, ctx, blocks), (_, k, v) in zip(reqs, full):
+    for (_n, ctx, blocks), (_, k, v) in zip(reqs, full):
         if ctx:
             write_kv_cache(k[:ctx], v[:ctx], cache, torch.tensor(slots(blocks, range(ctx))))
     q_new = torch.cat([q[ctx:] for (n, ctx, _), (q, _, _) in zip(reqs, full)])
@@ -57,6 +57,6 @@ def test_chunks_over_cached_context_match_whole_sequence_attention():
         slot_mapping=torch.tensor(sum((slots(b, range(c, n)) for n, c, b in reqs), [])),
         block_tables=table, block_size=bs)
     out = backend.forward(q_new, k_new, v_new, cache, meta)
-    for i, ((n, ctx, _), (q, k, v)) in enumerate(zip(reqs, full)):
+    for i, ((_n, ctx, _), (q, k, v)) in enumerate(zip(reqs, full)):
         expected = naive_causal(q, k, v, scale)[ctx:]
         torch.testing.assert_close(out[starts[i]:starts[i + 1]], expected, atol=1e-5, rtol=1e-5)
