@@ -4,14 +4,18 @@ from vllmpy.config import EngineArgs
 from vllmpy.outputs import CompletionOutput, RequestOutput
 from vllmpy.sampling_params import RequestOutputKind, SamplingParams
 
-__all__ = ["LLM", "EngineArgs", "SamplingParams", "RequestOutput", "CompletionOutput",
+__all__ = ["LLM", "AsyncLLM", "EngineArgs", "SamplingParams", "RequestOutput", "CompletionOutput",
            "RequestOutputKind"]
 __version__ = "0.1.0"
 
 
-def __getattr__(name: str):  # LLM pulls in torch and the models: import it on first use
+def __getattr__(name: str):  # the engines pull in torch and the models: import on first use
     if name == "LLM":
         from vllmpy.engine.llm import LLM
 
         return LLM
+    if name == "AsyncLLM":
+        from vllmpy.engine.async_llm import AsyncLLM
+
+        return AsyncLLM
     raise AttributeError(f"module 'vllmpy' has no attribute {name!r}")

@@ -91,6 +91,7 @@ class ModelConfig:
     text_config: TextModelConfig
     dtype: Any  # torch.dtype of the weights and activations
     max_model_len: int  # longest sequence served (prompt + output)
+    max_model_len_fitted: bool  # True when chosen by the engine (no --max-model-len)
     eos_token_ids: frozenset[int]  # config.json plus generation_config.json
     tokenizer_config: str | None  # override for tokenizer_config.json
     seed: int

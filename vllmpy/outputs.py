@@ -22,6 +22,25 @@ class CompletionOutput:
 
 
 @dataclass
+class RequestMetrics:
+    """Timing of one request as the frontend saw it (wall times from time.time()).
+
+    Token times are the engine core's step timestamps. ``inter_token_latencies`` holds the
+    intervals between steps that produced tokens, observed since the previous
+    RequestOutput of this request (so a streaming consumer sees each interval once).
+    """
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+    num_prompt_tokens: int = 0
+    num_generation_tokens: int = 0  # across all n completions
+    inter_token_latencies: list[float] = field(default_factory=list)
+
+
+@dataclass
 class RequestOutput:
     request_id: str
     prompt: str | None
@@ -30,3 +49,4 @@ class RequestOutput:
     finished: bool = False
     num_cached_tokens: int = 0
     prompt_logprobs: list | None = None
+    metrics: RequestMetrics | None = None  # filled by AsyncLLM; None from LLM

@@ -63,10 +63,36 @@ class EngineCoreOutput:
 
     req_id: str
     new_token_ids: list[int]
-    finish_reason: str | None = None  # "stop" | "length" | "abort" | None (still running)
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" | None (running)
     stop_reason: int | str | None = None  # the stop token id that ended it, if any
     num_cached_tokens: int = 0
+    # Wall time (time.time()) the request was first scheduled; set on its first output
+    # only, so the frontend can tell the time it spent queued.
+    first_scheduled_time: float | None = None
+    # Why the engine failed the request (finish_reason "error"); None otherwise.
+    error: str | None = None
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+
+@dataclass
+class SchedulerStats:
+    """The scheduler's gauges after one step (what the server's metrics report)."""
+
+    num_running_reqs: int = 0
+    num_waiting_reqs: int = 0  # waiting and preempted
+    kv_cache_usage: float = 0.0  # fraction of the KV pool in use, in [0, 1]
+    num_preemptions_total: int = 0  # since start-up
+    num_scheduled_tokens: int = 0  # tokens computed by this step (0 for a stats-only update)
+
+
+@dataclass
+class EngineCoreOutputs:
+    """What the engine core sends the frontend after a step (or after aborts, so the
+    gauges stay current): the per-request deltas, the scheduler's stats and when."""
+
+    outputs: list[EngineCoreOutput] = field(default_factory=list)
+    scheduler_stats: SchedulerStats | None = None
+    timestamp: float = 0.0  # wall time (time.time()) the step ended

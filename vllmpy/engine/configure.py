@@ -120,6 +120,7 @@ def build_engine_config(args: EngineArgs, source: ModelSource | None = None) -> 
         text_config=text,
         dtype=dtype,
         max_model_len=max_model_len,
+        max_model_len_fitted=args.max_model_len is None,
         eos_token_ids=frozenset(source.eos_token_ids),
         tokenizer_config=args.tokenizer_config,
         seed=args.seed,

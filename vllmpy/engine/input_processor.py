@@ -3,16 +3,28 @@
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from vllmpy import envs
 from vllmpy.config import ModelConfig
 from vllmpy.engine.core import EngineCoreRequest
+from vllmpy.engine.output_processor import child_request_id
 from vllmpy.sampling_params import SamplingParams
 
 # A prompt is text, a list of token ids, or vLLM's dict forms {"prompt": text} and
 # {"prompt_token_ids": ids}.
 PromptType = str | list[int] | dict[str, Any]
+
+
+@dataclass
+class ProcessedPrompt:
+    """One prompt, validated and split into its n child requests for the core."""
+
+    prompt: str | None
+    prompt_token_ids: list[int]
+    child_params: list[SamplingParams]  # one per completion, n=1 each
+    core_requests: list[EngineCoreRequest]  # ids from child_request_id(request_id, i, n)
 
 
 class InputProcessor:
@@ -85,3 +97,26 @@ class InputProcessor:
             max_tokens=self.resolve_max_tokens(params, n),
             arrival_time=time.time(),
         )
+
+    def process_prompt(self, request_id: str, prompt: PromptType, params: SamplingParams,
+                       prompt_token_ids: list[int] | None = None) -> ProcessedPrompt:
+        """Validate and tokenize a prompt and split it into ``params.n`` child requests
+        (child i seeded with seed + i). Raises ValueError before anything is registered,
+        so a refused prompt leaves no trace. ``prompt_token_ids``, when given, are used
+        instead of tokenizing ``prompt`` (whose text, if any, is kept for the output)."""
+        if prompt_token_ids is None:
+            text, ids = self.tokenize(prompt)
+        else:
+            _, ids = self.tokenize(list(prompt_token_ids))
+            given = prompt.get("prompt") if isinstance(prompt, dict) else prompt
+            text = given if isinstance(given, str) else None
+        children = []
+        for i in range(params.n):
+            child = params.clone()
+            child.n = 1
+            if params.seed is not None:
+                child.seed = params.seed + i
+            children.append(child)
+        core_requests = [self.process(child_request_id(request_id, i, params.n), ids, p)
+                         for i, p in enumerate(children)]
+        return ProcessedPrompt(text, ids, children, core_requests)

@@ -11,7 +11,7 @@ from vllmpy.config import EngineArgs
 from vllmpy.engine.configure import build_engine_config
 from vllmpy.engine.core_client import InprocClient
 from vllmpy.engine.input_processor import InputProcessor, PromptType
-from vllmpy.engine.output_processor import OutputProcessor, child_request_id
+from vllmpy.engine.output_processor import OutputProcessor
 from vllmpy.loader.load_stats import LoadStats
 from vllmpy.loader.source import load_tokenizer, resolve_model_source
 from vllmpy.outputs import RequestOutput
@@ -52,26 +52,16 @@ class LLM:
     # ---- requests -----------------------------------------------------------------------
 
     def _add_request(self, prompt: PromptType, params: SamplingParams) -> str:
-        """Validate and tokenize first, so a refused prompt leaves no trace anywhere."""
-        text, ids = self.input_processor.tokenize(prompt)
         request_id = str(next(self._counter))
-        children = []
-        for i in range(params.n):
-            child = params.clone()
-            child.n = 1
-            if params.seed is not None:
-                child.seed = params.seed + i
-            children.append(child)
-        core_requests = [
-            self.input_processor.process(child_request_id(request_id, i, params.n), ids, p)
-            for i, p in enumerate(children)]
-        self.output_processor.add_request(request_id, text, ids, children)
-        for req in core_requests:
+        processed = self.input_processor.process_prompt(request_id, prompt, params)
+        self.output_processor.add_request(request_id, processed.prompt,
+                                          processed.prompt_token_ids, processed.child_params)
+        for req in processed.core_requests:
             self.engine.add_request(req)
         return request_id
 
     def _step(self) -> list[RequestOutput]:
-        core_outputs = self.engine.get_output()
+        core_outputs = self.engine.get_output().outputs
         if not core_outputs and not self.engine.has_unfinished_requests():
             raise RuntimeError("the engine core has no requests left but the frontend still "
                                "waits for some; this is a bug")

@@ -11,10 +11,6 @@ def _not_yet(name: str) -> int:
     return 1
 
 
-def server_main() -> int:
-    return _not_yet("vllm-server")
-
-
 def bench_main() -> int:
     return _not_yet("vllm-bench")
 

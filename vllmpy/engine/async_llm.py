@@ -1,0 +1,313 @@
+"""AsyncLLM: per-request async streams over the engine core, for the server (vLLM's
+``AsyncLLM``).
+
+Each ``generate`` registers a queue; one background task on the event loop reads the
+core's outputs, turns them into RequestOutputs and fills the queues. An AsyncLLM serves
+one event loop: the one running its first ``generate``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import sys
+import traceback
+from collections.abc import AsyncGenerator, Callable
+from dataclasses import dataclass, replace
+from typing import Any
+
+from vllmpy.config import EngineArgs, EngineConfig, ModelConfig
+from vllmpy.core.sched_output import EngineCoreOutputs, SchedulerStats
+from vllmpy.engine.configure import build_engine_config
+from vllmpy.engine.core_client import (
+    AsyncInprocClient,
+    AsyncMPClient,
+    EngineDeadError,
+    EngineStartupError,
+)
+from vllmpy.engine.input_processor import InputProcessor, PromptType
+from vllmpy.engine.output_processor import OutputProcessor
+from vllmpy.loader.load_stats import LoadStats
+from vllmpy.loader.source import ModelSource, load_tokenizer, resolve_model_source
+from vllmpy.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from vllmpy.sampling_params import SamplingParams
+
+__all__ = ["AsyncLLM", "EngineDeadError", "EngineGenerateError", "EngineStartupError"]
+
+StatListener = Callable[[SchedulerStats | None, list[RequestOutput]], None]
+
+
+class EngineGenerateError(RuntimeError):
+    """The engine failed this one request (an internal error in its step); the engine
+    keeps serving the others."""
+
+
+@dataclass
+class _RequestState:
+    """What AsyncLLM keeps per generate() call."""
+
+    queue: asyncio.Queue[RequestOutput | BaseException]
+    metrics: RequestMetrics  # inter_token_latencies: intervals not yet handed out
+    prompt: str | None
+    prompt_token_ids: list[int]
+    n: int
+    failed: bool = False  # an error or an abort has been queued: nothing more goes in
+
+
+class AsyncLLM:
+    """``AsyncLLM.from_engine_args(args)`` starts the engine core (in its own process by
+    default) and returns once it is ready.
+
+    ``generate()`` yields RequestOutputs as ``sampling_params.output_kind`` asks (DELTA
+    for streaming, FINAL_ONLY for one final output). A bad prompt raises ValueError
+    before anything reaches the core. A consumer that stops early aborts its request.
+    A request the engine fails raises EngineGenerateError; a dead engine makes every
+    generate, in flight or new, and ``check_health`` raise EngineDeadError.
+    """
+
+    def __init__(self, engine_args: EngineArgs, config: EngineConfig, source: ModelSource,
+                 tokenizer: Any | None, client: AsyncMPClient | AsyncInprocClient) -> None:
+        self.engine_args = engine_args
+        self.config = config
+        self.served_source = source
+        self.tokenizer = tokenizer
+        self.input_processor = InputProcessor(config.model, tokenizer)
+        self.output_processor = OutputProcessor(tokenizer)
+        self.client = client
+        # Called after each batch of outputs with the core's latest stats (the server's
+        # metrics logger subscribes here).
+        self.stat_listeners: list[StatListener] = []
+        self.errored = False
+        self.dead_error: BaseException | None = None
+        self._requests: dict[str, _RequestState] = {}
+        self._output_task: asyncio.Task[None] | None = None
+        self._latest_stats: SchedulerStats | None = None
+        self._background: set[asyncio.Task[Any]] = set()
+
+    @classmethod
+    def from_engine_args(cls, engine_args: EngineArgs, multiprocess: bool = True) -> AsyncLLM:
+        """Resolve the model and the config here (no weights), start the core, and load
+        the tokenizer while the core loads the model."""
+        args = engine_args
+        stats = LoadStats()
+        with stats.phase("config"):
+            source = resolve_model_source(args.model, load_format=args.load_format,
+                                          revision=args.revision,
+                                          download_dir=args.download_dir)
+            config = build_engine_config(args, source)
+        client: AsyncMPClient | AsyncInprocClient | None = None
+        try:
+            if multiprocess:
+                client = AsyncMPClient(config, source)
+            with stats.phase("tokenizer"):
+                tokenizer = load_tokenizer(source, args.tokenizer_config,
+                                           skip=args.skip_tokenizer_init)
+            with stats.phase("engine_core"):
+                if isinstance(client, AsyncMPClient):
+                    client.wait_until_ready()
+                else:
+                    client = AsyncInprocClient(config, source)
+        except BaseException:
+            if client is not None:
+                client.shutdown()
+            raise
+        stats.report()
+        return cls(args, config, source, tokenizer, client)
+
+    @property
+    def model_config(self) -> ModelConfig:
+        return self.config.model
+
+    def get_tokenizer(self) -> Any:
+        return self.tokenizer
+
+    # ---- requests -----------------------------------------------------------------------
+
+    async def generate(self, prompt: PromptType, sampling_params: SamplingParams,
+                       request_id: str, *, prompt_token_ids_hint: list[int] | None = None,
+                       ) -> AsyncGenerator[RequestOutput, None]:
+        """Stream the outputs of one prompt. ``prompt_token_ids_hint``: the prompt's token
+        ids when the caller has them already (a rendered chat); ``prompt`` then only
+        supplies the text echoed in the outputs."""
+        self._raise_if_dead()
+        if request_id in self._requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        processed = self.input_processor.process_prompt(request_id, prompt, sampling_params,
+                                                        prompt_token_ids_hint)
+        self._ensure_output_task()
+        state = _RequestState(
+            queue=asyncio.Queue(),
+            metrics=RequestMetrics(arrival_time=processed.core_requests[0].arrival_time,
+                                   num_prompt_tokens=len(processed.prompt_token_ids)),
+            prompt=processed.prompt, prompt_token_ids=processed.prompt_token_ids,
+            n=len(processed.child_params))
+        self._requests[request_id] = state
+        self.output_processor.add_request(request_id, processed.prompt,
+                                          processed.prompt_token_ids, processed.child_params)
+        finished = False
+        try:
+            for req in processed.core_requests:
+                await self.client.add_request(req)
+            while not finished:
+                item = await state.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            self._requests.pop(request_id, None)
+            if not finished:
+                self._abort_in_background(request_id)
+
+    async def abort(self, request_id: str) -> None:
+        """Abort a request: the core frees its blocks, and its generate() ends with a
+        final output whose unfinished completions have finish_reason "abort"."""
+        child_ids = self.output_processor.abort(request_id)
+        state = self._requests.get(request_id)
+        if state is not None and not state.failed:
+            state.failed = True
+            state.queue.put_nowait(RequestOutput(
+                request_id, state.prompt, state.prompt_token_ids,
+                [CompletionOutput(i, "", [], finish_reason="abort") for i in range(state.n)],
+                finished=True, metrics=replace(state.metrics)))
+        if child_ids and self.dead_error is None:
+            await self.client.abort_requests(child_ids)
+
+    async def check_health(self) -> None:
+        """Raise EngineDeadError if the engine core is dead."""
+        self._raise_if_dead()
+
+    async def reset_prefix_cache(self) -> bool:
+        self._raise_if_dead()
+        return bool(await self.client.call_utility("reset_prefix_cache"))
+
+    def get_stats(self) -> SchedulerStats | None:
+        """The scheduler stats of the core's latest output (None before the first)."""
+        return self._latest_stats
+
+    def shutdown(self) -> None:
+        task = self._output_task
+        if task is not None and not task.done():
+            with contextlib.suppress(RuntimeError):  # its event loop is already closed
+                task.cancel()
+        self.client.shutdown()
+        if self.dead_error is None:
+            self.dead_error = EngineDeadError("the engine has been shut down")
+
+    # ---- the output task ----------------------------------------------------------------
+
+    def _ensure_output_task(self) -> None:
+        if self._output_task is None:
+            loop = asyncio.get_running_loop()
+            self._output_task = loop.create_task(self._output_loop(), name="vllmpy-outputs")
+
+    async def _output_loop(self) -> None:
+        try:
+            while True:
+                batch = await self.client.get_output()
+                to_abort = self._process_batch(batch)
+                if to_abort:
+                    await self.client.abort_requests(to_abort)
+        except asyncio.CancelledError:
+            raise
+        except EngineDeadError as e:
+            self._mark_dead(e)
+        except BaseException as e:
+            traceback.print_exc()
+            self._mark_dead(EngineDeadError(f"the output loop failed: {type(e).__name__}: {e}"))
+
+    def _process_batch(self, batch: EngineCoreOutputs) -> list[str]:
+        """Hand one batch of core outputs to the waiting generate() calls; returns the
+        child ids a stop string finished, which the core must abort."""
+        self._record_core_outputs(batch)
+        outputs, to_abort = self.output_processor.process_outputs(batch.outputs)
+        for out in outputs:
+            state = self._requests.get(out.request_id)
+            if state is None or state.failed:
+                continue
+            out.metrics = self._take_metrics(state, out.finished, batch.timestamp)
+            state.queue.put_nowait(out)
+        if batch.scheduler_stats is not None:
+            self._latest_stats = batch.scheduler_stats
+        self._notify_listeners(outputs)
+        return to_abort
+
+    def _record_core_outputs(self, batch: EngineCoreOutputs) -> None:
+        """Timing per request, and requests the core failed."""
+        now = batch.timestamp
+        timed: set[str] = set()  # one token interval per request and step, not per child
+        for out in batch.outputs:
+            parent_id = self.output_processor.child_to_parent.get(out.req_id)
+            state = self._requests.get(parent_id) if parent_id is not None else None
+            if parent_id is None or state is None:
+                continue
+            m = state.metrics
+            if out.first_scheduled_time is not None and (
+                    m.first_scheduled_time is None
+                    or out.first_scheduled_time < m.first_scheduled_time):
+                m.first_scheduled_time = out.first_scheduled_time
+            if out.new_token_ids:
+                m.num_generation_tokens += len(out.new_token_ids)
+                if parent_id not in timed:
+                    timed.add(parent_id)
+                    if m.last_token_time is None:
+                        m.first_token_time = now
+                    else:
+                        m.inter_token_latencies.append(now - m.last_token_time)
+                    m.last_token_time = now
+            if out.finish_reason == "error" and not state.failed:
+                state.failed = True
+                state.queue.put_nowait(EngineGenerateError(
+                    f"request {parent_id!r} failed in the engine: {out.error}"))
+
+    @staticmethod
+    def _take_metrics(state: _RequestState, finished: bool, now: float) -> RequestMetrics:
+        m = state.metrics
+        snapshot = replace(m, finished_time=now if finished else None)
+        m.inter_token_latencies = []
+        return snapshot
+
+    def _notify_listeners(self, outputs: list[RequestOutput]) -> None:
+        for listener in list(self.stat_listeners):
+            try:
+                listener(self._latest_stats, outputs)
+            except Exception:
+                print("vllmpy: a stat listener failed:", file=sys.stderr)
+                traceback.print_exc()
+
+    # ---- failure ------------------------------------------------------------------------
+
+    def _raise_if_dead(self) -> None:
+        if self.dead_error is None:
+            try:
+                self.client.check_alive()
+            except EngineDeadError as e:
+                self._mark_dead(e)
+        if self.dead_error is not None:
+            raise EngineDeadError(str(self.dead_error))
+
+    def _mark_dead(self, error: BaseException) -> None:
+        if self.dead_error is None:
+            self.dead_error = error
+        self.errored = True
+        for state in self._requests.values():
+            state.failed = True
+            state.queue.put_nowait(EngineDeadError(str(error)))
+
+    def _abort_in_background(self, request_id: str) -> None:
+        """Abort a request whose consumer went away (it may be inside a finally block of
+        a cancelled task, so nothing here awaits)."""
+        child_ids = self.output_processor.abort(request_id)
+        if not child_ids or self.dead_error is not None:
+            return
+        try:
+            task = asyncio.get_running_loop().create_task(self.client.abort_requests(child_ids))
+        except RuntimeError:  # no running loop: the generator was collected at exit
+            return
+        self._background.add(task)
+        task.add_done_callback(self._background_done)
+
+    def _background_done(self, task: asyncio.Task[Any]) -> None:
+        self._background.discard(task)
+        if not task.cancelled():
+            task.exception()  # retrieved: a dead engine is reported elsewhere

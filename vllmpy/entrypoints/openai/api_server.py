@@ -1,0 +1,271 @@
+"""vllm-server: the OpenAI-compatible HTTP server over AsyncLLM.
+
+The engine core runs in its own process; this process does HTTP, JSON, templates,
+tokenization and detokenization. Every failure answers in OpenAI's error shape.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import sys
+import time
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.cors import CORSMiddleware
+
+import vllmpy
+from vllmpy.config import EngineArgs
+from vllmpy.engine.async_llm import AsyncLLM
+from vllmpy.entrypoints.openai.cli_args import default_served_model_name, parse_server_args
+from vllmpy.entrypoints.openai.errors import OpenAIError, error_body
+from vllmpy.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+from vllmpy.entrypoints.openai.serving_chat import ChatHandler
+from vllmpy.entrypoints.openai.serving_common import (
+    ClientDisconnected,
+    ServerContext,
+    parse_body,
+    until_disconnected,
+    with_keepalive,
+)
+from vllmpy.entrypoints.openai.serving_completion import CompletionHandler
+from vllmpy.entrypoints.openai.serving_tokenization import TokenizationHandler
+
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def _error(status: int, message: str, param: str | None = None) -> JSONResponse:
+    return JSONResponse(error_body(status, message, param), status_code=status)
+
+
+def build_app(engine: AsyncLLM, args: argparse.Namespace, served_model_name: str) -> FastAPI:
+    ctx = ServerContext(
+        engine=engine,
+        served_model_name=served_model_name,
+        max_model_len=engine.model_config.max_model_len,
+        force_include_usage=args.enable_force_include_usage,
+        default_chat_template_kwargs=({} if args.enable_thinking is None
+                                      else {"enable_thinking": args.enable_thinking}),
+        log_requests=args.log_requests,
+        log_outputs=args.enable_log_outputs,
+        max_log_len=args.max_log_len,
+    )
+    completions, chat = CompletionHandler(ctx), ChatHandler(ctx)
+    tokenization = TokenizationHandler(ctx)
+    metrics = None
+    if args.enable_metrics:
+        from vllmpy.metrics.prometheus import PrometheusStatLogger
+
+        metrics = PrometheusStatLogger(served_model_name, ctx.max_model_len)
+        engine.stat_listeners.append(metrics.listener)
+
+    app = FastAPI(title="vllmpy", version=vllmpy.__version__, docs_url=None, redoc_url=None)
+    if args.allowed_origins:
+        origins = [o.strip() for o in args.allowed_origins.split(",") if o.strip()]
+        app.add_middleware(CORSMiddleware, allow_origins=origins, allow_methods=["*"],
+                           allow_headers=["*"], allow_credentials=True)
+
+    @app.middleware("http")
+    async def guard(request: Request, call_next):
+        # body size first (413), then the API key for /v1 routes (401)
+        length = request.headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > args.max_request_body_bytes:
+            return _error(413, f"request body of {length} bytes exceeds the limit of "
+                               f"{args.max_request_body_bytes} bytes")
+        needs_key = (args.api_key and request.url.path.startswith("/v1")
+                     and request.method != "OPTIONS")
+        if needs_key and request.headers.get("authorization") != f"Bearer {args.api_key}":
+            return _error(401, "missing or wrong API key: send 'Authorization: Bearer <key>'")
+        return await call_next(request)
+
+    @app.exception_handler(OpenAIError)
+    async def openai_error(_: Request, e: OpenAIError) -> JSONResponse:
+        return _error(e.status_code, e.message, e.param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
+        if e.status_code == 404:
+            return _error(404, f"no route {request.method} {request.url.path}")
+        if e.status_code == 405:
+            return _error(405, f"method {request.method} is not allowed on {request.url.path}")
+        return _error(e.status_code, str(e.detail))
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_: Request, e: RequestValidationError) -> JSONResponse:
+        return _error(400, f"invalid request: {e.errors()}")
+
+    @app.exception_handler(Exception)
+    async def internal_error(_: Request, e: Exception) -> JSONResponse:
+        return _error(500, f"internal error: {type(e).__name__}: {e}")
+
+    async def run_or_stream(raw: Request, handler, req) -> Response:
+        if not req.stream:
+            try:
+                body = await until_disconnected(raw, handler.full(req))
+            except ClientDisconnected:
+                return Response(status_code=499)
+            return JSONResponse(body)
+        prepared = handler.prepare(req, stream=True)
+        frames = handler.stream(req, *prepared)
+        return StreamingResponse(with_keepalive(frames), media_type="text/event-stream",
+                                 headers=SSE_HEADERS)
+
+    @app.post("/v1/completions")
+    async def create_completion(raw: Request) -> Response:
+        await _check_alive(engine)
+        return await run_or_stream(raw, completions, await parse_body(raw, CompletionRequest))
+
+    @app.post("/v1/chat/completions")
+    async def create_chat_completion(raw: Request) -> Response:
+        await _check_alive(engine)
+        return await run_or_stream(raw, chat, await parse_body(raw, ChatCompletionRequest))
+
+    @app.get("/v1/models")
+    async def list_models() -> JSONResponse:
+        return JSONResponse({"object": "list", "data": [{
+            "id": served_model_name, "object": "model", "created": int(START_TIME),
+            "owned_by": "vllmpy", "root": engine.model_config.model, "parent": None,
+            "max_model_len": ctx.max_model_len}]})
+
+    @app.get("/health")
+    async def health() -> Response:
+        try:
+            await engine.check_health()
+        except Exception as e:  # noqa: BLE001 - a dead engine is a failed health check
+            return _error(503, f"engine is not healthy: {e}")
+        return Response(status_code=200)
+
+    @app.api_route("/ping", methods=["GET", "POST"])
+    async def ping() -> Response:
+        return await health()
+
+    @app.get("/version")
+    async def version() -> JSONResponse:
+        return JSONResponse({"version": vllmpy.__version__})
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        if metrics is None:
+            return _error(404, "metrics are disabled (--disable-metrics)")
+        body, content_type = metrics.render()
+        return Response(body, media_type=content_type)
+
+    @app.post("/tokenize")
+    async def tokenize(raw: Request) -> JSONResponse:
+        return JSONResponse(await tokenization.tokenize(raw))
+
+    @app.post("/detokenize")
+    async def detokenize(raw: Request) -> JSONResponse:
+        return JSONResponse(await tokenization.detokenize(raw))
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info() -> JSONResponse:
+        return JSONResponse(tokenization.info())
+
+    @app.get("/server_info")
+    async def server_info() -> JSONResponse:
+        return JSONResponse(_server_info(engine, args, served_model_name))
+
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache() -> JSONResponse:
+        return JSONResponse({"success": bool(await engine.reset_prefix_cache())})
+
+    return app
+
+
+START_TIME = time.time()
+
+
+async def _check_alive(engine: AsyncLLM) -> None:
+    if engine.errored:
+        raise OpenAIError(503, f"the engine has stopped: {engine.dead_error}")
+
+
+def _server_info(engine: AsyncLLM, args: argparse.Namespace, name: str) -> dict[str, Any]:
+    cfg = engine.config
+    return {
+        "vllm_config": {
+            "served_model_name": name, "model": cfg.model.model, "source": cfg.model.source_kind,
+            "architectures": cfg.model.text_config.architectures,
+            "dtype": str(cfg.model.dtype).removeprefix("torch."),
+            "max_model_len": cfg.model.max_model_len, "block_size": cfg.cache.block_size,
+            "num_blocks": cfg.cache.num_blocks,
+            "kv_cache_dtype": str(cfg.cache.kv_cache_dtype).removeprefix("torch."),
+            "max_num_seqs": cfg.scheduler.max_num_seqs,
+            "max_num_batched_tokens": cfg.scheduler.max_num_batched_tokens,
+            "device": cfg.device,
+        },
+        "vllm_env": {"version": vllmpy.__version__},
+        "system_env": {"python": platform.python_version(), "platform": platform.platform()},
+    }
+
+
+def _startup_lines(engine: AsyncLLM, name: str) -> None:
+    cfg = engine.config
+    print(f"server: model {cfg.model.model!r} ({', '.join(cfg.model.text_config.architectures)}, "
+          f"dtype {str(cfg.model.dtype).removeprefix('torch.')}, device {cfg.device}) served as "
+          f"{name!r}", file=sys.stderr)
+    fitted = " (auto-fitted; --max-model-len sets it)" if cfg.model.max_model_len_fitted else ""
+    print(f"server: max_model_len {cfg.model.max_model_len}{fitted}; KV pool "
+          f"{cfg.cache.num_blocks} "
+          f"blocks x {cfg.cache.block_size} tokens = {cfg.cache.num_tokens} tokens, "
+          f"{cfg.cache.num_blocks * cfg.cache.bytes_per_block} bytes", file=sys.stderr)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_server_args(argv)
+    import uvicorn
+
+    try:
+        engine = AsyncLLM.from_engine_args(EngineArgs.from_cli_args(args))
+    except ValueError as e:
+        print(f"server: {e}", file=sys.stderr)
+        return 2
+    name = args.served_model_name or default_served_model_name(engine.model_config.model)
+    app = build_app(engine, args, name)
+    _startup_lines(engine, name)
+    config = uvicorn.Config(app, host=args.host, port=args.port,
+                            log_level="info" if args.verbose else "warning",
+                            loop="uvloop" if _has_uvloop() else "asyncio",
+                            timeout_keep_alive=5)
+    server = _Server(config, listening=f"server: listening on http://"
+                     f"{f'[{args.host}]' if ':' in args.host else args.host}:{args.port} "
+                     f"(model {name!r})")
+    try:
+        server.run()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        engine.shutdown()
+    return 0 if server.started else 1
+
+
+class _Server:
+    """uvicorn's server, printing the listening line once the socket is bound."""
+
+    def __new__(cls, config: Any, listening: str) -> Any:
+        import uvicorn
+
+        class Server(uvicorn.Server):
+            async def startup(self, sockets: Any = None) -> None:
+                await super().startup(sockets)
+                if self.started:
+                    print(listening, file=sys.stderr, flush=True)
+
+        return Server(config)
+
+
+def _has_uvloop() -> bool:
+    try:
+        import uvloop  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

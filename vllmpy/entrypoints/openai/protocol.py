@@ -1,0 +1,708 @@
+"""Request and response bodies of the OpenAI-compatible server, with vLLM's field names.
+
+Requests validate on construction: a bad or unsupported field raises pydantic's
+``ValidationError`` (turned into a 400 by ``errors.validation_error_to_openai``; use
+``parse_request`` to get an ``OpenAIError`` directly). Fields this server does not know
+are ignored, as vLLM ignores them, except the vLLM and OpenAI fields it knows and cannot
+honour yet, which are refused by name (``_REFUSED_EXTRAS``).
+
+Responses serialize with ``model_dump(mode="json")`` (or ``model_dump_json()``) and no
+exclusions: every field the OpenAI schema requires is present, a nullable one as ``null``
+(``"logprobs": null`` in every choice). ``DeltaMessage`` alone leaves out what it does not
+carry, since a stream delta holds only what changed.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Annotated, Any, Literal, TypeVar, cast
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    ValidationError,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
+
+from vllmpy.entrypoints.openai.errors import FieldError, bad_request, validation_error_to_openai
+from vllmpy.sampling_params import RequestOutputKind, SamplingParams
+
+_LONG_MIN, _LONG_MAX = -(2**63), 2**63 - 1
+MAX_LOGPROBS = 20  # the largest logprobs / top_logprobs a request may ask for
+# The OpenAI default for /v1/completions when the request does not mention max_tokens.
+COMPLETION_DEFAULT_MAX_TOKENS = 16
+# chat_template_kwargs keys the renderer supplies itself.
+RESERVED_TEMPLATE_KWARGS = ("messages", "tools", "chat_template", "tokenize")
+# Sampling fields that a model's generation config may default (request values win), with
+# the value used when neither sets them (vLLM's SamplingParams defaults).
+DEFAULTABLE_SAMPLING_FIELDS: dict[str, float] = {
+    "temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0}
+
+# Fields of vLLM's or OpenAI's request bodies that this server knows and does not honour
+# yet: set to anything but null/false/empty, they are refused with the reason given.
+_REFUSED_EXTRAS: dict[str, str] = {
+    "use_beam_search": "beam search is not supported",
+    "guided_json": "structured output (guided_json) is not supported yet",
+    "guided_regex": "structured output (guided_regex) is not supported yet",
+    "guided_choice": "structured output (guided_choice) is not supported yet",
+    "guided_grammar": "structured output (guided_grammar) is not supported yet",
+    "structured_outputs": "structured output (structured_outputs) is not supported yet",
+    "bad_words": "bad_words is not supported yet",
+    "allowed_token_ids": "allowed_token_ids is not supported yet",
+    "logits_processors": "per-request logits_processors are not supported",
+    "truncate_prompt_tokens": "truncate_prompt_tokens is not supported yet",
+    "prompt_embeds": "prompt_embeds is not supported",
+    "return_tokens_as_token_ids": "return_tokens_as_token_ids is not supported yet",
+    "cache_salt": "cache_salt is not supported yet",
+    "kv_transfer_params": "kv_transfer_params is not supported",
+    "vllm_xargs": "vllm_xargs is not supported",
+    "mm_processor_kwargs": "mm_processor_kwargs is not supported: this server takes text only",
+    "functions": "functions is not supported; use tools",
+    "function_call": "function_call is not supported; use tool_choice",
+    "prediction": "prediction (predicted outputs) is not supported",
+    "audio": "audio output is not supported",
+}
+
+
+def random_id(prefix: str) -> str:
+    """A unique response id such as ``cmpl-3f2a...`` or ``chatcmpl-...``."""
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def _now() -> int:
+    return int(time.time())
+
+
+class OpenAIBaseModel(BaseModel):
+    """Base of every body: unknown fields are kept in ``model_extra`` and otherwise ignored."""
+
+    model_config = ConfigDict(extra="allow")
+
+
+M = TypeVar("M", bound=BaseModel)
+
+
+def parse_request(cls: type[M], data: Any) -> M:
+    """Validate a decoded JSON body as ``cls``; any failure is a 400 ``OpenAIError``."""
+    try:
+        return cls.model_validate(data)
+    except ValidationError as exc:
+        raise validation_error_to_openai(exc) from None
+
+
+# ---------------------------------------------------------------------------------------
+# Requests: pieces
+# ---------------------------------------------------------------------------------------
+
+
+class StreamOptions(OpenAIBaseModel):
+    include_usage: bool | None = True  # a last chunk carries the usage, choices empty
+    continuous_usage_stats: bool | None = False  # every chunk carries the usage so far
+
+
+class TextContentPart(OpenAIBaseModel):
+    type: Literal["text"]
+    text: str
+
+
+def _check_content(value: Any) -> Any:
+    """A message's content: a string, null, or a list of ``{"type": "text", "text": ...}``."""
+    if value is None or isinstance(value, str):
+        return value
+    if not isinstance(value, list):
+        raise ValueError("content must be a string, null or a list of content parts")
+    for i, part in enumerate(value):
+        if not isinstance(part, dict) or not isinstance(part.get("type"), str):
+            raise ValueError(f"content part {i} must be an object with a string 'type'")
+        if part["type"] != "text":
+            raise ValueError(f"content part type {part['type']!r} is not supported: "
+                             "this server takes text parts only")
+        if not isinstance(part.get("text"), str):
+            raise ValueError(f"content part {i} of type 'text' needs a string 'text'")
+    return value
+
+
+class ChatMessageParam(OpenAIBaseModel):
+    """One message of a chat request; unknown keys (such as ``reasoning_content``) travel
+    to the chat template unchanged."""
+
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str | list[TextContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+
+    _content = field_validator("content", mode="before")(_check_content)
+
+    def text(self) -> str | None:
+        """The content as one string: text parts joined by newlines, as vLLM's default
+        "string" content format renders them."""
+        if self.content is None or isinstance(self.content, str):
+            return self.content
+        return "\n".join(part.text for part in self.content)
+
+    def to_template(self) -> dict[str, Any]:
+        """The message as the chat template sees it: unset keys left out."""
+        msg = self.model_dump(exclude_none=True)
+        if self.content is not None:
+            msg["content"] = self.text()
+        return msg
+
+
+class FunctionDefinition(OpenAIBaseModel):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+
+
+class ChatCompletionToolParam(OpenAIBaseModel):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+def _check_template_kwargs(value: dict[str, Any] | None) -> dict[str, Any] | None:
+    for key in value or {}:
+        if key in RESERVED_TEMPLATE_KWARGS:
+            raise FieldError("chat_template_kwargs",
+                             f"chat_template_kwargs key {key!r} is reserved: the server "
+                             f"supplies it from the request")
+    return value
+
+
+def _check_generation_prompt(add_generation_prompt: bool, continue_final_message: bool) -> None:
+    if add_generation_prompt and continue_final_message:
+        raise FieldError("continue_final_message",
+                         "continue_final_message and add_generation_prompt cannot both be "
+                         "true: set add_generation_prompt to false to continue the last "
+                         "message")
+
+
+def _positive_or_none(value: int | None) -> int | None:
+    """max_tokens <= 0 means unset (clients such as Hermes send -1 for "no limit")."""
+    return value if value is not None and value > 0 else None
+
+
+# ---------------------------------------------------------------------------------------
+# Requests: the sampling fields both generation endpoints share
+# ---------------------------------------------------------------------------------------
+
+
+class _SamplingRequest(OpenAIBaseModel):
+    """Fields and checks common to /v1/completions and /v1/chat/completions."""
+
+    model: str | None = None
+    frequency_penalty: float | None = Field(0.0, ge=-2.0, le=2.0)
+    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
+    n: int = Field(1, ge=1)
+    presence_penalty: float | None = Field(0.0, ge=-2.0, le=2.0)
+    seed: int | None = Field(None, ge=_LONG_MIN, le=_LONG_MAX)
+    stop: str | list[str] | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    user: str | None = None
+    echo: bool | None = False
+    # vLLM's extra sampling fields.
+    top_k: int | None = Field(None, ge=-1)  # -1 or 0: the whole vocabulary
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    repetition_penalty: float | None = Field(None, gt=0.0)
+    ignore_eos: bool = False
+    min_tokens: int = Field(0, ge=0)
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    prompt_logprobs: int | None = None
+    priority: int = 0
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _check_stop(cls, value: Any) -> Any:
+        if value is None or isinstance(value, str):
+            return value
+        if isinstance(value, list) and all(isinstance(s, str) for s in value):
+            return value
+        raise ValueError("stop must be a string or a list of strings")
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _check_logit_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        for key in value or {}:
+            try:
+                token_id = int(key)
+            except ValueError:
+                raise FieldError("logit_bias", f"logit_bias key {key!r} is not a token id: "
+                                 "keys must be integers such as \"50256\"") from None
+            if token_id < 0:
+                raise FieldError("logit_bias", f"logit_bias key {key!r} is negative: "
+                                 "token ids are >= 0")
+        return value
+
+    def _check_common(self) -> None:
+        if self.stream_options is not None and not self.stream:
+            raise FieldError("stream_options",
+                             "stream_options can only be set when stream is true")
+        for name, reason in _REFUSED_EXTRAS.items():
+            value = (self.model_extra or {}).get(name)
+            if value not in (None, False, "", [], {}):
+                raise FieldError(name, reason)
+
+    def _default_output_kind(self) -> RequestOutputKind:
+        return RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY
+
+    def _build_sampling_params(self, max_tokens: int | None,
+                               output_kind: RequestOutputKind | None,
+                               defaults: dict[str, Any] | None) -> SamplingParams:
+        if self.prompt_logprobs is not None:
+            raise bad_request("prompt_logprobs is not supported yet", "prompt_logprobs")
+        picked: dict[str, Any] = {}
+        for name, fallback in DEFAULTABLE_SAMPLING_FIELDS.items():
+            value = getattr(self, name)
+            if value is None:
+                value = (defaults or {}).get(name)
+            picked[name] = fallback if value is None else value
+        try:
+            return SamplingParams(
+                n=self.n,
+                presence_penalty=self.presence_penalty or 0.0,
+                frequency_penalty=self.frequency_penalty or 0.0,
+                seed=self.seed,
+                stop=self.stop,
+                stop_token_ids=list(self.stop_token_ids or []),
+                ignore_eos=self.ignore_eos,
+                max_tokens=max_tokens,
+                min_tokens=self.min_tokens,
+                skip_special_tokens=self.skip_special_tokens,
+                spaces_between_special_tokens=self.spaces_between_special_tokens,
+                include_stop_str_in_output=self.include_stop_str_in_output,
+                logit_bias=({int(k): v for k, v in self.logit_bias.items()}
+                            if self.logit_bias else None),
+                output_kind=self._default_output_kind() if output_kind is None else output_kind,
+                **picked,
+            )
+        except ValueError as exc:
+            message = str(exc)
+            field = message.split(" ", 1)[0]
+            raise bad_request(message, field if field in SamplingParams.__dataclass_fields__
+                              else None) from None
+
+
+# ---------------------------------------------------------------------------------------
+# Requests: the endpoints
+# ---------------------------------------------------------------------------------------
+
+
+def _check_prompt(value: Any) -> Any:
+    """str | list[str] | list[int] | list[list[int]], nothing empty, ids >= 0."""
+    def is_id(t: Any) -> bool:
+        return isinstance(t, int) and not isinstance(t, bool)
+
+    if isinstance(value, str):
+        return value
+    if not isinstance(value, list):
+        raise ValueError("prompt must be a string, a list of strings, a list of token ids "
+                         "or a list of lists of token ids")
+    if not value:
+        raise ValueError("prompt is an empty list: give at least one prompt")
+    if all(isinstance(p, str) for p in value):
+        return value
+    batches = [value] if all(is_id(t) for t in value) else value
+    for i, ids in enumerate(batches):
+        if not isinstance(ids, list) or not all(is_id(t) for t in ids):
+            raise ValueError("prompt must be a string, a list of strings, a list of token ids "
+                             "or a list of lists of token ids, not a mix")
+        if not ids:
+            raise ValueError(f"prompt {i} is an empty list of token ids")
+        if any(t < 0 for t in ids):
+            raise ValueError("prompt token ids must be >= 0")
+    return value
+
+
+class CompletionRequest(_SamplingRequest):
+    """Body of ``POST /v1/completions``.
+
+    max_tokens rule (vLLM's and the OpenAI spec's, plus the documented non-positive rule):
+    absent means 16, the OpenAI default that vLLM's completion request also uses; null or
+    <= 0 means unset, which ``to_sampling_params`` turns into ``default_max_tokens`` and,
+    when that is None, leaves to the engine: max_model_len - prompt length, capped by
+    ``VT_SERVER_MAX_NEW_TOKENS`` when set.
+    """
+
+    prompt: str | list[str] | list[int] | list[list[int]]
+    best_of: int | None = None
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    max_tokens: int | None = COMPLETION_DEFAULT_MAX_TOKENS
+    suffix: str | None = None
+    add_special_tokens: bool = True
+
+    _prompt = field_validator("prompt", mode="before")(_check_prompt)
+
+    @model_validator(mode="after")
+    def _check_request(self) -> CompletionRequest:
+        self._check_common()
+        if self.suffix:
+            raise FieldError("suffix", "suffix is not supported")
+        if self.best_of is not None and self.best_of != self.n:
+            raise FieldError("best_of", f"best_of ({self.best_of}) different from n "
+                             f"({self.n}) is not supported: leave best_of unset")
+        return self
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompt as a batch: one entry per prompt, text or token ids."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if all(isinstance(t, int) for t in p):
+            return [cast(list[int], p)]
+        return list(cast(list[str | list[int]], p))
+
+    def requested_max_tokens(self) -> int | None:
+        """The positive limit the request sets, or None when it leaves it unset."""
+        return _positive_or_none(self.max_tokens)
+
+    def to_sampling_params(self, default_max_tokens: int | None = None,
+                           output_kind: RequestOutputKind | None = None, *,
+                           defaults: dict[str, Any] | None = None) -> SamplingParams:
+        """The engine's ``SamplingParams`` for every prompt of this request.
+
+        ``default_max_tokens`` is used when the request leaves max_tokens unset (None keeps
+        it unset for the engine to resolve). ``output_kind`` defaults to DELTA when
+        streaming and FINAL_ONLY otherwise. ``defaults`` (for example from the model's
+        generation config) fill ``DEFAULTABLE_SAMPLING_FIELDS`` the request leaves null.
+        Raises a 400 ``OpenAIError`` naming the field for what the engine cannot honour.
+        """
+        if self.logprobs is not None:
+            raise bad_request("logprobs is not supported yet", "logprobs")
+        max_tokens = self.requested_max_tokens() or default_max_tokens
+        return self._build_sampling_params(max_tokens, output_kind, defaults)
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    """Body of ``POST /v1/chat/completions``.
+
+    max_tokens rule: a non-positive ``max_completion_tokens`` or ``max_tokens`` counts as
+    absent; of what remains, ``max_completion_tokens`` wins over ``max_tokens``; if neither
+    is left, max_tokens is unset: ``default_max_tokens``, or when that is None the engine's
+    max_model_len - prompt length capped by ``VT_SERVER_MAX_NEW_TOKENS``.
+    """
+
+    messages: list[ChatMessageParam] = Field(min_length=1)
+    logprobs: bool | None = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    response_format: dict[str, Any] | None = None
+    tools: list[ChatCompletionToolParam] | None = None
+    tool_choice: Literal["none", "auto"] | None = None
+    # vLLM's chat extras.
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    documents: list[dict[str, Any]] | None = None
+
+    _template_kwargs = field_validator("chat_template_kwargs")(_check_template_kwargs)
+
+    @field_validator("response_format", mode="before")
+    @classmethod
+    def _check_response_format(cls, value: Any) -> Any:
+        if value is None:
+            return value
+        kind = value.get("type") if isinstance(value, dict) else None
+        if kind == "text":
+            return value
+        if kind in ("json_object", "json_schema", "structural_tag"):
+            raise ValueError(f"response_format type {kind!r} is not supported yet; "
+                             "only {\"type\": \"text\"} is")
+        raise ValueError("response_format must be an object whose type is 'text', "
+                         f"'json_object' or 'json_schema', got {value!r}")
+
+    @field_validator("tool_choice", mode="before")
+    @classmethod
+    def _check_tool_choice(cls, value: Any) -> Any:
+        if value is None or value in ("none", "auto"):
+            return value
+        if value == "required":
+            raise ValueError("tool_choice 'required' is not supported yet; use 'auto' or 'none'")
+        if isinstance(value, dict) and value.get("type") == "function":
+            name = (value.get("function") or {}).get("name")
+            raise ValueError(f"tool_choice naming a function ({name!r}) is not supported "
+                             "yet; use 'auto' or 'none'")
+        raise ValueError(f"tool_choice must be 'none', 'auto', 'required' or a named "
+                         f"function, got {value!r}")
+
+    @model_validator(mode="after")
+    def _check_request(self) -> ChatCompletionRequest:
+        self._check_common()
+        if self.top_logprobs is not None and not self.logprobs:
+            raise FieldError("top_logprobs", "top_logprobs needs logprobs set to true")
+        _check_generation_prompt(self.add_generation_prompt, self.continue_final_message)
+        if self.chat_template is not None:
+            raise FieldError("chat_template", "per-request chat_template is not supported: "
+                             "the server renders with the model's template")
+        if self.documents:
+            raise FieldError("documents", "documents is not supported")
+        return self
+
+    def template_messages(self) -> list[dict[str, Any]]:
+        return [m.to_template() for m in self.messages]
+
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        return None if self.tools is None else [t.model_dump(exclude_none=True)
+                                                for t in self.tools]
+
+    def requested_max_tokens(self) -> int | None:
+        """The positive limit the request sets, or None when it leaves it unset."""
+        return (_positive_or_none(self.max_completion_tokens)
+                or _positive_or_none(self.max_tokens))
+
+    def to_sampling_params(self, default_max_tokens: int | None = None,
+                           output_kind: RequestOutputKind | None = None, *,
+                           defaults: dict[str, Any] | None = None) -> SamplingParams:
+        """As ``CompletionRequest.to_sampling_params``, with the chat max_tokens rule."""
+        if self.logprobs:
+            raise bad_request("logprobs is not supported yet", "logprobs")
+        max_tokens = self.requested_max_tokens() or default_max_tokens
+        return self._build_sampling_params(max_tokens, output_kind, defaults)
+
+
+class TokenizeCompletionRequest(OpenAIBaseModel):
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool | None = False
+
+
+class TokenizeChatRequest(OpenAIBaseModel):
+    model: str | None = None
+    messages: list[ChatMessageParam] = Field(min_length=1)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[ChatCompletionToolParam] | None = None
+    return_token_strs: bool | None = False
+
+    _template_kwargs = field_validator("chat_template_kwargs")(_check_template_kwargs)
+
+    @model_validator(mode="after")
+    def _check_request(self) -> TokenizeChatRequest:
+        _check_generation_prompt(self.add_generation_prompt, self.continue_final_message)
+        return self
+
+    def template_messages(self) -> list[dict[str, Any]]:
+        return [m.to_template() for m in self.messages]
+
+
+TokenizeRequest = TokenizeCompletionRequest | TokenizeChatRequest
+
+
+def parse_tokenize_request(data: Any) -> TokenizeRequest:
+    """A /tokenize body is a chat request when it has ``messages``, a completion request
+    when it has ``prompt``; both or neither is a 400."""
+    if not isinstance(data, dict):
+        raise bad_request("the request body must be a JSON object")
+    has_prompt, has_messages = "prompt" in data, "messages" in data
+    if has_prompt == has_messages:
+        raise bad_request("a tokenize request needs exactly one of prompt or messages",
+                          "prompt")
+    cls: type[TokenizeCompletionRequest] | type[TokenizeChatRequest] = (
+        TokenizeChatRequest if has_messages else TokenizeCompletionRequest)
+    return parse_request(cls, data)
+
+
+class DetokenizeRequest(OpenAIBaseModel):
+    model: str | None = None
+    tokens: list[Annotated[int, Field(ge=0)]]
+
+
+# ---------------------------------------------------------------------------------------
+# Responses
+# ---------------------------------------------------------------------------------------
+
+
+class PromptTokenUsageInfo(OpenAIBaseModel):
+    cached_tokens: int | None = None  # prompt tokens served from the prefix cache
+
+
+class UsageInfo(OpenAIBaseModel):
+    """Token counts; ``prompt_tokens_details`` is left out of the JSON unless set (the
+    OpenAI schema has it as an object, never null)."""
+
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+    prompt_tokens_details: PromptTokenUsageInfo | None = None
+
+    @model_serializer(mode="wrap")
+    def _serialize(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        data = handler(self)
+        if data.get("prompt_tokens_details") is None:
+            data.pop("prompt_tokens_details", None)
+        return data
+
+
+class CompletionResponseChoice(OpenAIBaseModel):
+    index: int
+    text: str
+    logprobs: dict[str, Any] | None = None
+    finish_reason: str | None = None  # "stop", "length" or "abort"
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+
+
+class CompletionResponse(OpenAIBaseModel):
+    id: str = Field(default_factory=lambda: random_id("cmpl"))
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[CompletionResponseChoice]
+    usage: UsageInfo
+
+
+class CompletionResponseStreamChoice(OpenAIBaseModel):
+    index: int
+    text: str  # the new text since the previous chunk
+    logprobs: dict[str, Any] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+def _drop_null_usage(data: dict[str, Any]) -> dict[str, Any]:
+    if data.get("usage") is None:
+        data.pop("usage", None)
+    return data
+
+
+class CompletionStreamResponse(OpenAIBaseModel):
+    """One SSE chunk of /v1/completions; ``usage`` is left out of the JSON unless set."""
+
+    id: str = Field(default_factory=lambda: random_id("cmpl"))
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[CompletionResponseStreamChoice]
+    usage: UsageInfo | None = None
+
+    @model_serializer(mode="wrap")
+    def _serialize(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return _drop_null_usage(handler(self))
+
+
+class FunctionCall(OpenAIBaseModel):
+    name: str
+    arguments: str  # JSON text, as the model wrote it
+
+
+class ToolCall(OpenAIBaseModel):
+    id: str = Field(default_factory=lambda: random_id("chatcmpl-tool"))
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ChatMessage(OpenAIBaseModel):
+    role: str = "assistant"
+    content: str | None = None
+    refusal: str | None = None  # always null here; the OpenAI schema requires the key
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
+
+
+class ChatCompletionResponseChoice(OpenAIBaseModel):
+    index: int
+    message: ChatMessage
+    logprobs: dict[str, Any] | None = None
+    finish_reason: str | None = None  # "stop", "length", "tool_calls" or "abort"
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(OpenAIBaseModel):
+    id: str = Field(default_factory=lambda: random_id("chatcmpl"))
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[ChatCompletionResponseChoice]
+    usage: UsageInfo
+
+
+class DeltaFunctionCall(OpenAIBaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(OpenAIBaseModel):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall | None = None
+
+
+class DeltaMessage(OpenAIBaseModel):
+    """What a stream chunk adds to a choice's message; fields it does not carry are left
+    out of its JSON (an empty string content is kept: it is the first chunk's)."""
+
+    role: str | None = None
+    content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[DeltaToolCall] = Field(default_factory=list)
+
+    @model_serializer(mode="wrap")
+    def _drop_unset(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if v is not None and v != []}
+
+
+class ChatCompletionResponseStreamChoice(OpenAIBaseModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: dict[str, Any] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionStreamResponse(OpenAIBaseModel):
+    """One SSE chunk of /v1/chat/completions; ``usage`` is left out of the JSON unless set
+    (the last chunk under ``include_usage``, every chunk under ``continuous_usage_stats``)."""
+
+    id: str = Field(default_factory=lambda: random_id("chatcmpl"))
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[ChatCompletionResponseStreamChoice]
+    usage: UsageInfo | None = None
+
+    @model_serializer(mode="wrap")
+    def _serialize(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return _drop_null_usage(handler(self))
+
+
+class ModelCard(OpenAIBaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=_now)
+    owned_by: str = "vllmpy"
+    root: str | None = None
+    parent: str | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(OpenAIBaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard] = Field(default_factory=list)
+
+
+class TokenizeResponse(OpenAIBaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeResponse(OpenAIBaseModel):
+    prompt: str
+

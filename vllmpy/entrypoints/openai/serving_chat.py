@@ -1,0 +1,133 @@
+"""POST /v1/chat/completions."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+from vllmpy.entrypoints.openai.errors import OpenAIError
+from vllmpy.entrypoints.openai.protocol import ChatCompletionRequest, random_id
+from vllmpy.entrypoints.openai.serving_common import (
+    SSE_DONE,
+    ServerContext,
+    check_prompt_bytes,
+    error_frame,
+    merged_outputs,
+    now,
+    sse,
+    validate_prompt,
+)
+from vllmpy.sampling_params import RequestOutputKind, SamplingParams
+
+
+def render_chat_prompt(ctx: ServerContext, messages: list[dict[str, Any]],
+                       add_generation_prompt: bool, continue_final_message: bool,
+                       tools: list[dict[str, Any]] | None,
+                       chat_template_kwargs: dict[str, Any] | None,
+                       add_special_tokens: bool = False) -> list[int]:
+    """The checkpoint's own template, rendered in a sandbox, then tokenized (by default
+    without adding special tokens: the template writes them)."""
+    tokenizer = ctx.engine.tokenizer
+    if tokenizer is None:
+        raise OpenAIError(400, "this server has no tokenizer, so it cannot render chat messages")
+    if tokenizer.chat_template is None:
+        raise OpenAIError(400, "the model has no chat template; use /v1/completions")
+    kwargs = {**ctx.default_chat_template_kwargs, **(chat_template_kwargs or {})}
+    try:
+        text = tokenizer.apply_chat_template(
+            messages, add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message, tools=tools,
+            chat_template_kwargs=kwargs)
+    except ValueError as e:
+        raise OpenAIError(400, f"chat template: {e}", param="messages") from None
+    check_prompt_bytes(ctx, text, param="messages")
+    return tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+
+def _usage(prompt_tokens: int, completion_tokens: int, cached: int = 0) -> dict[str, Any]:
+    usage: dict[str, Any] = {"prompt_tokens": prompt_tokens,
+                             "completion_tokens": completion_tokens,
+                             "total_tokens": prompt_tokens + completion_tokens}
+    if cached:
+        usage["prompt_tokens_details"] = {"cached_tokens": cached}
+    return usage
+
+
+class ChatHandler:
+    def __init__(self, ctx: ServerContext) -> None:
+        self.ctx = ctx
+
+    def prepare(self, req: ChatCompletionRequest, stream: bool):
+        self.ctx.check_model(req.model)
+        ids = render_chat_prompt(self.ctx, req.template_messages(), req.add_generation_prompt,
+                                 req.continue_final_message, req.template_tools(),
+                                 req.chat_template_kwargs)
+        kind = RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
+        try:
+            params = req.to_sampling_params(output_kind=kind)
+        except ValueError as e:
+            raise OpenAIError(400, str(e)) from None
+        validate_prompt(self.ctx, ids, params)
+        request_id = random_id("chatcmpl")
+        if self.ctx.log_requests:
+            self.ctx.log(request_id, f"chat prompt_tokens={len(ids)} params={params!r}")
+        return request_id, ids, params
+
+    async def full(self, req: ChatCompletionRequest) -> dict[str, Any]:
+        request_id, ids, params = self.prepare(req, stream=False)
+        final = None
+        async for _, out in merged_outputs(self.ctx.engine, [(ids, params, request_id)]):
+            final = out
+        assert final is not None
+        choices = []
+        for c in final.outputs:
+            choices.append({"index": c.index,
+                            "message": {"role": "assistant", "content": c.text,
+                                        "tool_calls": []},
+                            "logprobs": None, "finish_reason": c.finish_reason,
+                            "stop_reason": c.stop_reason})
+            if self.ctx.log_outputs:
+                self.ctx.log(request_id, f"output {c.index}: {c.text!r}")
+        completion_tokens = sum(len(c.token_ids) for c in final.outputs)
+        return {"id": request_id, "object": "chat.completion", "created": now(),
+                "model": self.ctx.served_model_name, "choices": choices,
+                "usage": _usage(len(ids), completion_tokens, final.num_cached_tokens)}
+
+    async def stream(self, req: ChatCompletionRequest, request_id: str, ids: list[int],
+                     params: SamplingParams) -> AsyncIterator[str]:
+        opts = req.stream_options
+        include_usage = self.ctx.force_include_usage or bool(opts and opts.include_usage)
+        continuous = include_usage and bool(opts and opts.continuous_usage_stats)
+        created = now()
+        generated: dict[int, int] = {}
+        cached = 0
+
+        def chunk(choices: list[dict], usage: dict | None = None) -> str:
+            return sse({"id": request_id, "object": "chat.completion.chunk", "created": created,
+                        "model": self.ctx.served_model_name, "choices": choices,
+                        "usage": usage})
+
+        # the first delta of every choice carries the role
+        first = [{"index": i, "delta": {"role": "assistant", "content": ""},
+                  "logprobs": None, "finish_reason": None} for i in range(params.n)]
+        yield chunk(first, _usage(len(ids), 0) if continuous else None)
+        try:
+            async for _, out in merged_outputs(self.ctx.engine, [(ids, params, request_id)]):
+                cached = max(cached, out.num_cached_tokens)
+                choices = []
+                for c in out.outputs:
+                    generated[c.index] = generated.get(c.index, 0) + len(c.token_ids)
+                    if not c.text and c.finish_reason is None:
+                        continue
+                    delta = {"content": c.text} if c.text else {}
+                    choices.append({"index": c.index, "delta": delta, "logprobs": None,
+                                    "finish_reason": c.finish_reason,
+                                    "stop_reason": c.stop_reason})
+                if choices:
+                    usage = _usage(len(ids), sum(generated.values())) if continuous else None
+                    yield chunk(choices, usage)
+            if include_usage:
+                yield chunk([], _usage(len(ids), sum(generated.values()), cached))
+        except Exception as e:  # noqa: BLE001 - a failed request ends its own stream only
+            yield error_frame(e)
+        yield SSE_DONE

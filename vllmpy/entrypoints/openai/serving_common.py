@@ -1,0 +1,195 @@
+"""What the completion and chat handlers share: request parsing, prompt checks, the
+merged multi-request stream, SSE framing with keepalives, and client-disconnect races."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator, Awaitable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import pydantic
+from starlette.requests import Request
+
+from vllmpy import envs
+from vllmpy.engine.async_llm import AsyncLLM
+from vllmpy.entrypoints.openai.errors import OpenAIError, validation_error_to_openai
+from vllmpy.outputs import RequestOutput
+from vllmpy.sampling_params import SamplingParams
+
+M = TypeVar("M", bound=pydantic.BaseModel)
+T = TypeVar("T")
+
+
+@dataclass
+class ServerContext:
+    """What every handler needs to know about the running server."""
+
+    engine: AsyncLLM
+    served_model_name: str
+    max_model_len: int
+    force_include_usage: bool
+    default_chat_template_kwargs: dict[str, Any]
+    log_requests: bool
+    log_outputs: bool
+    max_log_len: int
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.served_model_name:
+            raise OpenAIError(400, f"The model `{model}` does not exist; this server serves "
+                              f"`{self.served_model_name}`", param="model")
+
+    def log(self, request_id: str, what: str) -> None:
+        import sys
+
+        text = what if len(what) <= self.max_log_len else what[:self.max_log_len] + "..."
+        print(f"server: {request_id}: {text}", file=sys.stderr, flush=True)
+
+
+async def parse_body(raw: Request, model: type[M]) -> M:
+    """JSON body -> request model; malformed JSON and bad fields are 400s naming the problem."""
+    body = await raw.body()
+    try:
+        data = json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise OpenAIError(400, f"malformed JSON body: {e}") from None
+    if not isinstance(data, dict):
+        raise OpenAIError(400, f"the request body must be a JSON object, got "
+                          f"{type(data).__name__}")
+    try:
+        return model.model_validate(data)
+    except pydantic.ValidationError as e:
+        raise validation_error_to_openai(e) from None
+
+
+def check_prompt_bytes(ctx: ServerContext, text: str, param: str = "prompt") -> None:
+    """Refuse, before tokenizing, text too long to fit max_model_len whatever its tokens."""
+    tokenizer = ctx.engine.tokenizer
+    if tokenizer is None:
+        return
+    limit = ctx.max_model_len * max(1, tokenizer.max_token_bytes)
+    size = len(text.encode("utf-8", errors="surrogatepass"))
+    if size > limit:
+        raise OpenAIError(
+            400, f"the prompt is {size} bytes, more than max_model_len ({ctx.max_model_len}) "
+            f"tokens of at most {tokenizer.max_token_bytes} bytes each can hold; it is not "
+            f"truncated", param=param)
+
+
+def validate_prompt(ctx: ServerContext, ids: list[int], params: SamplingParams) -> None:
+    """The engine's own admission checks, run before a response starts (a 400 then)."""
+    try:
+        ctx.engine.input_processor.process("validate", ids, params)
+    except ValueError as e:
+        raise OpenAIError(400, str(e)) from None
+
+
+async def merged_outputs(engine: AsyncLLM, jobs: list[tuple[Any, SamplingParams, str]]
+                         ) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Run several engine requests at once; yield (job index, output) as they arrive.
+    Leaving early (a disconnect) cancels every job, which aborts them in the engine."""
+    queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
+
+    async def run(i: int, prompt: Any, params: SamplingParams, rid: str) -> None:
+        try:
+            async for out in engine.generate(prompt, params, rid):
+                queue.put_nowait((i, out))
+        except BaseException as e:  # noqa: BLE001 - forwarded to the consumer
+            queue.put_nowait((i, e))
+            if isinstance(e, asyncio.CancelledError):
+                raise
+            return
+        queue.put_nowait((i, None))
+
+    tasks = [asyncio.ensure_future(run(i, p, sp, rid)) for i, (p, sp, rid) in enumerate(jobs)]
+    remaining = len(tasks)
+    try:
+        while remaining:
+            i, item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            if not t.done():
+                t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def with_keepalive(frames: AsyncIterator[str]) -> AsyncIterator[str]:
+    """Pass SSE frames through; after VT_SERVER_SSE_PING_S of silence send ':\\n\\n'."""
+    interval = envs.VT_SERVER_SSE_PING_S
+    if interval <= 0:
+        async for frame in frames:
+            yield frame
+        return
+    it = frames.__aiter__()
+    pending = asyncio.ensure_future(it.__anext__())
+    try:
+        while True:
+            done, _ = await asyncio.wait({pending}, timeout=interval)
+            if not done:
+                yield ":\n\n"
+                continue
+            try:
+                frame = pending.result()
+            except StopAsyncIteration:
+                return
+            yield frame
+            pending = asyncio.ensure_future(it.__anext__())
+    finally:
+        if not pending.done():
+            pending.cancel()
+        await it.aclose()  # type: ignore[attr-defined]
+
+
+def sse(data: Any) -> str:
+    return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+def error_frame(e: BaseException) -> str:
+    from vllmpy.entrypoints.openai.errors import error_body
+
+    if isinstance(e, OpenAIError):
+        return sse(error_body(e.status_code, e.message, e.param))
+    return sse(error_body(500, f"the request failed inside the engine: {e}"))
+
+
+async def until_disconnected(raw: Request, work: Awaitable[T]) -> T:
+    """Await ``work`` unless the client goes away first; then cancel it (aborting its
+    requests in the engine) and raise ClientDisconnected."""
+    task = asyncio.ensure_future(work)
+
+    async def watch() -> None:
+        while True:
+            message = await raw.receive()
+            if message["type"] == "http.disconnect":
+                return
+
+    watcher = asyncio.ensure_future(watch())
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not watcher.done():
+            watcher.cancel()
+    if task in done:
+        return task.result()
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    raise ClientDisconnected()
+
+
+class ClientDisconnected(Exception):
+    pass
+
+
+def now() -> int:
+    return int(time.time())

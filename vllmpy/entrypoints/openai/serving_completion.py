@@ -1,0 +1,145 @@
+"""POST /v1/completions."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+from vllmpy.entrypoints.openai.errors import OpenAIError
+from vllmpy.entrypoints.openai.protocol import CompletionRequest, random_id
+from vllmpy.entrypoints.openai.serving_common import (
+    SSE_DONE,
+    ServerContext,
+    check_prompt_bytes,
+    error_frame,
+    merged_outputs,
+    now,
+    sse,
+    validate_prompt,
+)
+from vllmpy.outputs import RequestOutput
+from vllmpy.sampling_params import RequestOutputKind, SamplingParams
+
+
+def _prompts(ctx: ServerContext, req: CompletionRequest) -> list[tuple[str | None, list[int]]]:
+    """Normalize the four prompt forms to (text or None, token ids)."""
+    p = req.prompt
+    if isinstance(p, str):
+        items: list[Any] = [p]
+    elif p and all(isinstance(x, int) for x in p):
+        items = [list(p)]  # type: ignore[arg-type]
+    else:
+        items = list(p)  # type: ignore[arg-type]
+    out = []
+    for item in items:
+        if isinstance(item, str):
+            check_prompt_bytes(ctx, item)
+        try:
+            out.append(ctx.engine.input_processor.tokenize(item))
+        except ValueError as e:
+            raise OpenAIError(400, str(e), param="prompt") from None
+    return out
+
+
+def _usage(prompt_tokens: int, completion_tokens: int, cached: int = 0) -> dict[str, Any]:
+    usage: dict[str, Any] = {"prompt_tokens": prompt_tokens,
+                             "completion_tokens": completion_tokens,
+                             "total_tokens": prompt_tokens + completion_tokens}
+    if cached:
+        usage["prompt_tokens_details"] = {"cached_tokens": cached}
+    return usage
+
+
+class CompletionHandler:
+    def __init__(self, ctx: ServerContext) -> None:
+        self.ctx = ctx
+
+    def prepare(self, req: CompletionRequest, stream: bool):
+        """Validate everything before a response starts; returns the engine jobs."""
+        self.ctx.check_model(req.model)
+        prompts = _prompts(self.ctx, req)
+        kind = RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
+        try:
+            params = req.to_sampling_params(output_kind=kind)
+        except ValueError as e:
+            raise OpenAIError(400, str(e)) from None
+        request_id = random_id("cmpl")
+        jobs = []
+        for i, (_, ids) in enumerate(prompts):
+            validate_prompt(self.ctx, ids, params)
+            jobs.append((ids, params, f"{request_id}-{i}"))
+        if self.ctx.log_requests:
+            self.ctx.log(request_id, f"completion prompts={[t or ids for t, ids in prompts]!r} "
+                                     f"params={params!r}")
+        return request_id, prompts, params, jobs
+
+    def _echo(self, text: str | None, ids: list[int]) -> str:
+        if text is not None:
+            return text
+        tok = self.ctx.engine.tokenizer
+        return tok.decode(ids, skip_special_tokens=False) if tok is not None else ""
+
+    async def full(self, req: CompletionRequest) -> dict[str, Any]:
+        request_id, prompts, params, jobs = self.prepare(req, stream=False)
+        finals: dict[int, RequestOutput] = {}
+        async for i, out in merged_outputs(self.ctx.engine, jobs):
+            finals[i] = out
+        choices = []
+        completion_tokens = cached = 0
+        for i, (text, ids) in enumerate(prompts):
+            out = finals[i]
+            cached += out.num_cached_tokens
+            for c in out.outputs:
+                completion_tokens += len(c.token_ids)
+                body = (self._echo(text, ids) if req.echo else "") + c.text
+                choices.append({"index": i * params.n + c.index, "text": body, "logprobs": None,
+                                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+                if self.ctx.log_outputs:
+                    self.ctx.log(request_id, f"output {c.index}: {c.text!r}")
+        prompt_tokens = sum(len(ids) for _, ids in prompts)
+        return {"id": request_id, "object": "text_completion", "created": now(),
+                "model": self.ctx.served_model_name, "choices": choices,
+                "usage": _usage(prompt_tokens, completion_tokens, cached)}
+
+    async def stream(self, req: CompletionRequest, request_id: str, prompts, params: SamplingParams,
+                     jobs) -> AsyncIterator[str]:
+        opts = req.stream_options
+        include_usage = self.ctx.force_include_usage or bool(opts and opts.include_usage)
+        continuous = include_usage and bool(opts and opts.continuous_usage_stats)
+        created = now()
+        prompt_tokens = sum(len(ids) for _, ids in prompts)
+        generated: dict[int, int] = {}
+        echoed: set[int] = set()
+        cached = 0
+
+        def chunk(choices: list[dict], usage: dict | None = None) -> str:
+            body: dict[str, Any] = {"id": request_id, "object": "text_completion",
+                                    "created": created, "model": self.ctx.served_model_name,
+                                    "choices": choices, "usage": usage}
+            return sse(body)
+
+        try:
+            async for i, out in merged_outputs(self.ctx.engine, jobs):
+                cached = max(cached, out.num_cached_tokens)
+                choices = []
+                for c in out.outputs:
+                    index = i * params.n + c.index
+                    text = c.text
+                    if req.echo and index not in echoed:
+                        echoed.add(index)
+                        text = self._echo(*prompts[i]) + text
+                    generated[index] = generated.get(index, 0) + len(c.token_ids)
+                    if not text and not c.token_ids and c.finish_reason is None:
+                        continue
+                    choices.append({"index": index, "text": text, "logprobs": None,
+                                    "finish_reason": c.finish_reason,
+                                    "stop_reason": c.stop_reason})
+                if choices:
+                    usage = (_usage(prompt_tokens, sum(generated.values()))
+                             if continuous else None)
+                    yield chunk(choices, usage)
+            if include_usage:
+                yield chunk([], _usage(prompt_tokens, sum(generated.values()), cached))
+        except Exception as e:  # noqa: BLE001 - a failed request ends its own stream only
+            yield error_frame(e)
+        yield SSE_DONE
