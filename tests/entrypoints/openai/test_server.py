@@ -76,6 +76,12 @@ def test_stream_equals_non_stream(server):
         stream_options={"include_usage": True}))
     assert with_usage[-1].choices == [] and with_usage[-1].usage.completion_tokens == \
         full.usage.completion_tokens
+    continuous = list(c.completions.create(
+        model=None, prompt=PROMPT, max_tokens=20, temperature=0, stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    counts = [ch.usage.completion_tokens for ch in continuous]
+    assert all(ch.usage is not None for ch in continuous)
+    assert counts == sorted(counts) and counts[-1] == full.usage.completion_tokens
     msgs = [{"role": "user", "content": "What is the capital of France?"}]
     chat = c.chat.completions.create(model=None, messages=msgs, max_tokens=24, temperature=0)
     stream = list(c.chat.completions.create(model=None, messages=msgs, max_tokens=24,

@@ -15,6 +15,7 @@ from vllmpy.entrypoints.openai.serving_common import (
     merged_outputs,
     now,
     sse,
+    usage_dict,
     validate_prompt,
 )
 from vllmpy.sampling_params import RequestOutputKind, SamplingParams
@@ -42,15 +43,6 @@ def render_chat_prompt(ctx: ServerContext, messages: list[dict[str, Any]],
         raise OpenAIError(400, f"chat template: {e}", param="messages") from None
     check_prompt_bytes(ctx, text, param="messages")
     return tokenizer.encode(text, add_special_tokens=add_special_tokens)
-
-
-def _usage(prompt_tokens: int, completion_tokens: int, cached: int = 0) -> dict[str, Any]:
-    usage: dict[str, Any] = {"prompt_tokens": prompt_tokens,
-                             "completion_tokens": completion_tokens,
-                             "total_tokens": prompt_tokens + completion_tokens}
-    if cached:
-        usage["prompt_tokens_details"] = {"cached_tokens": cached}
-    return usage
 
 
 class ChatHandler:
@@ -91,13 +83,11 @@ class ChatHandler:
         completion_tokens = sum(len(c.token_ids) for c in final.outputs)
         return {"id": request_id, "object": "chat.completion", "created": now(),
                 "model": self.ctx.served_model_name, "choices": choices,
-                "usage": _usage(len(ids), completion_tokens, final.num_cached_tokens)}
+                "usage": usage_dict(len(ids), completion_tokens, final.num_cached_tokens)}
 
     async def stream(self, req: ChatCompletionRequest, request_id: str, ids: list[int],
                      params: SamplingParams) -> AsyncIterator[str]:
-        opts = req.stream_options
-        include_usage = self.ctx.force_include_usage or bool(opts and opts.include_usage)
-        continuous = include_usage and bool(opts and opts.continuous_usage_stats)
+        include_usage, continuous = self.ctx.stream_usage(req.stream_options)
         created = now()
         generated: dict[int, int] = {}
         cached = 0
@@ -110,7 +100,7 @@ class ChatHandler:
         # the first delta of every choice carries the role
         first = [{"index": i, "delta": {"role": "assistant", "content": ""},
                   "logprobs": None, "finish_reason": None} for i in range(params.n)]
-        yield chunk(first, _usage(len(ids), 0) if continuous else None)
+        yield chunk(first, usage_dict(len(ids), 0) if continuous else None)
         try:
             async for _, out in merged_outputs(self.ctx.engine, [(ids, params, request_id)]):
                 cached = max(cached, out.num_cached_tokens)
@@ -124,10 +114,10 @@ class ChatHandler:
                                     "finish_reason": c.finish_reason,
                                     "stop_reason": c.stop_reason})
                 if choices:
-                    usage = _usage(len(ids), sum(generated.values())) if continuous else None
+                    usage = usage_dict(len(ids), sum(generated.values())) if continuous else None
                     yield chunk(choices, usage)
             if include_usage:
-                yield chunk([], _usage(len(ids), sum(generated.values()), cached))
+                yield chunk([], usage_dict(len(ids), sum(generated.values()), cached))
         except Exception as e:  # noqa: BLE001 - a failed request ends its own stream only
             yield error_frame(e)
         yield SSE_DONE

@@ -41,6 +41,11 @@ class ServerContext:
             raise OpenAIError(400, f"The model `{model}` does not exist; this server serves "
                               f"`{self.served_model_name}`", param="model")
 
+    def stream_usage(self, options: Any) -> tuple[bool, bool]:
+        """(send a final usage chunk, put usage in every chunk) for a stream request."""
+        include = self.force_include_usage or bool(options and options.include_usage)
+        return include, include and bool(options and options.continuous_usage_stats)
+
     def log(self, request_id: str, what: str) -> None:
         import sys
 
@@ -146,6 +151,15 @@ async def with_keepalive(frames: AsyncIterator[str]) -> AsyncIterator[str]:
         if not pending.done():
             pending.cancel()
         await it.aclose()  # type: ignore[attr-defined]
+
+
+def usage_dict(prompt_tokens: int, completion_tokens: int, cached: int = 0) -> dict[str, Any]:
+    usage: dict[str, Any] = {"prompt_tokens": prompt_tokens,
+                             "completion_tokens": completion_tokens,
+                             "total_tokens": prompt_tokens + completion_tokens}
+    if cached:
+        usage["prompt_tokens_details"] = {"cached_tokens": cached}
+    return usage
 
 
 def sse(data: Any) -> str:

@@ -15,6 +15,7 @@ from vllmpy.entrypoints.openai.serving_common import (
     merged_outputs,
     now,
     sse,
+    usage_dict,
     validate_prompt,
 )
 from vllmpy.outputs import RequestOutput
@@ -39,15 +40,6 @@ def _prompts(ctx: ServerContext, req: CompletionRequest) -> list[tuple[str | Non
         except ValueError as e:
             raise OpenAIError(400, str(e), param="prompt") from None
     return out
-
-
-def _usage(prompt_tokens: int, completion_tokens: int, cached: int = 0) -> dict[str, Any]:
-    usage: dict[str, Any] = {"prompt_tokens": prompt_tokens,
-                             "completion_tokens": completion_tokens,
-                             "total_tokens": prompt_tokens + completion_tokens}
-    if cached:
-        usage["prompt_tokens_details"] = {"cached_tokens": cached}
-    return usage
 
 
 class CompletionHandler:
@@ -99,13 +91,11 @@ class CompletionHandler:
         prompt_tokens = sum(len(ids) for _, ids in prompts)
         return {"id": request_id, "object": "text_completion", "created": now(),
                 "model": self.ctx.served_model_name, "choices": choices,
-                "usage": _usage(prompt_tokens, completion_tokens, cached)}
+                "usage": usage_dict(prompt_tokens, completion_tokens, cached)}
 
     async def stream(self, req: CompletionRequest, request_id: str, prompts, params: SamplingParams,
                      jobs) -> AsyncIterator[str]:
-        opts = req.stream_options
-        include_usage = self.ctx.force_include_usage or bool(opts and opts.include_usage)
-        continuous = include_usage and bool(opts and opts.continuous_usage_stats)
+        include_usage, continuous = self.ctx.stream_usage(req.stream_options)
         created = now()
         prompt_tokens = sum(len(ids) for _, ids in prompts)
         generated: dict[int, int] = {}
@@ -135,11 +125,11 @@ class CompletionHandler:
                                     "finish_reason": c.finish_reason,
                                     "stop_reason": c.stop_reason})
                 if choices:
-                    usage = (_usage(prompt_tokens, sum(generated.values()))
+                    usage = (usage_dict(prompt_tokens, sum(generated.values()))
                              if continuous else None)
                     yield chunk(choices, usage)
             if include_usage:
-                yield chunk([], _usage(prompt_tokens, sum(generated.values()), cached))
+                yield chunk([], usage_dict(prompt_tokens, sum(generated.values()), cached))
         except Exception as e:  # noqa: BLE001 - a failed request ends its own stream only
             yield error_frame(e)
         yield SSE_DONE
