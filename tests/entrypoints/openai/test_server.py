@@ -258,8 +258,15 @@ def test_server_flags(smollm_path):
 def test_api_key_notices_and_keepalive(smollm_path):
     s = start_server("--model", smollm_path, *COMMON, "--num-blocks", "16", "--api-key",
                      "sekret", "--trust-remote-code", "--enable-auto-tool-choice",
+                     "--allowed-origins", "http://example.com",
                      env={"VT_SERVER_SSE_PING_S": "0.001"})
     try:
+        pre = httpx.options(f"{s.url}/v1/completions", headers={
+            "origin": "http://example.com", "access-control-request-method": "POST"})
+        assert pre.headers.get("access-control-allow-origin") == "http://example.com"
+        other = httpx.options(f"{s.url}/v1/completions", headers={
+            "origin": "http://evil.example", "access-control-request-method": "POST"})
+        assert other.headers.get("access-control-allow-origin") is None
         notices = [ln for ln in s.stderr_lines if "published-recipe compatibility" in ln]
         assert len(notices) == 2
         assert any("listening on http://127.0.0.1" in ln for ln in s.stderr_lines)
