@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
 from vllmpy.attention.backend import TorchReferenceBackend, write_kv_cache
@@ -22,14 +23,25 @@ def naive_causal(q, k, v, scale):
     return torch.einsum("hts,shd->thd", scores.softmax(-1), v)
 
 
-def test_chunks_over_cached_context_match_whole_sequence_attention():
+REQUESTS = {
+    # (total length, tokens already cached, blocks)
+    "decode, chunk after context, prefill": [(9, 8, [7, 3, 11]), (13, 5, [0, 20, 5, 9]),
+                                             (6, 0, [30, 31])],
+    # several one-token queries take the batched decode path
+    "batched decodes and a chunk": [(9, 8, [7, 3, 11]), (14, 13, [0, 20, 5, 9]),
+                                    (2, 1, [30]), (13, 5, [12, 13, 14, 15]),
+                                    (5, 4, [16, 17])],
+}
+
+
+@pytest.mark.parametrize("case", sorted(REQUESTS))
+def test_chunks_over_cached_context_match_whole_sequence_attention(case):
     torch.manual_seed(0)
     heads, kv_heads, dim, bs, num_blocks = 4, 2, 16, 4, 32
     scale = 1 / math.sqrt(dim)
     backend = TorchReferenceBackend(heads, kv_heads, dim, scale)
     cache = torch.zeros(2, num_blocks, bs, kv_heads, dim)
-    # (total length, tokens already cached, blocks): a decode, a chunk after context, a prefill
-    reqs = [(9, 8, [7, 3, 11]), (13, 5, [0, 20, 5, 9]), (6, 0, [30, 31])]
+    reqs = REQUESTS[case]
     full = [(torch.randn(n, heads, dim), torch.randn(n, kv_heads, dim),
              torch.randn(n, kv_heads, dim)) for n, _, _ in reqs]
 

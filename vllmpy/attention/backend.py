@@ -50,26 +50,61 @@ class TorchReferenceBackend(AttentionBackend):
         write_kv_cache(k[:num_tokens], v[:num_tokens], kv_cache, meta.slot_mapping[:num_tokens])
         out = torch.empty_like(q)
         starts = meta.query_start_loc_cpu
-        group = self.num_heads // self.num_kv_heads
+        decode_rows = [i for i in range(meta.num_reqs) if starts[i + 1] - starts[i] == 1]
+        if len(decode_rows) > 1:
+            self._batched_decode(q, kv_cache, meta, decode_rows, out)
+        decode_set = set(decode_rows) if len(decode_rows) > 1 else set()
         for i, seq_len in enumerate(meta.seq_lens_cpu):
-            q_start, q_end = starts[i], starts[i + 1]
-            q_len = q_end - q_start
-            num_blocks = -(-seq_len // meta.block_size)
-            blocks = meta.block_tables[i, :num_blocks].long()
-            # [num_blocks, block_size, kv_heads, head_dim] -> [seq_len, kv_heads, head_dim]
-            keys = kv_cache[0, blocks].flatten(0, 1)[:seq_len].to(q.dtype)
-            values = kv_cache[1, blocks].flatten(0, 1)[:seq_len].to(q.dtype)
-            if group > 1:
-                keys = keys.repeat_interleave(group, dim=1)
-                values = values.repeat_interleave(group, dim=1)
-            query = q[q_start:q_end].transpose(0, 1)  # [heads, q_len, head_dim]
-            mask = None
-            if q_len > 1:
-                # query j sits at position seq_len - q_len + j and sees keys up to there
-                q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
-                mask = q_pos[:, None] >= torch.arange(seq_len, device=q.device)[None, :]
-            attn = F.scaled_dot_product_attention(
-                query, keys.transpose(0, 1), values.transpose(0, 1),
-                attn_mask=mask, scale=self.scale)
-            out[q_start:q_end] = attn.transpose(0, 1)
+            if i not in decode_set:
+                self._one_request(q, kv_cache, meta, i, seq_len, out)
         return out
+
+    def _gather(self, kv_cache: torch.Tensor, blocks: torch.Tensor,
+                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of the given blocks, [..., num_blocks * block_size, kv_heads, dim]."""
+        keys = kv_cache[0, blocks].flatten(-4, -3).to(dtype)
+        values = kv_cache[1, blocks].flatten(-4, -3).to(dtype)
+        return keys, values
+
+    def _one_request(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+                     i: int, seq_len: int, out: torch.Tensor) -> None:
+        q_start, q_end = meta.query_start_loc_cpu[i], meta.query_start_loc_cpu[i + 1]
+        q_len = q_end - q_start
+        num_blocks = -(-seq_len // meta.block_size)
+        keys, values = self._gather(kv_cache, meta.block_tables[i, :num_blocks].long(), q.dtype)
+        keys, values = keys[:seq_len], values[:seq_len]  # [seq_len, kv_heads, head_dim]
+        group = self.num_heads // self.num_kv_heads
+        if group > 1:
+            keys = keys.repeat_interleave(group, dim=1)
+            values = values.repeat_interleave(group, dim=1)
+        query = q[q_start:q_end].transpose(0, 1)  # [heads, q_len, head_dim]
+        mask = None
+        if q_len > 1:
+            # query j sits at position seq_len - q_len + j and sees keys up to there
+            q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
+            mask = q_pos[:, None] >= torch.arange(seq_len, device=q.device)[None, :]
+        attn = F.scaled_dot_product_attention(
+            query, keys.transpose(0, 1), values.transpose(0, 1), attn_mask=mask, scale=self.scale)
+        out[q_start:q_end] = attn.transpose(0, 1)
+
+    def _batched_decode(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+                        rows: list[int], out: torch.Tensor) -> None:
+        """Every one-token query of the step in one padded attention call."""
+        lens = [meta.seq_lens_cpu[i] for i in rows]
+        num_blocks = -(-max(lens) // meta.block_size)
+        idx = torch.tensor(rows, device=q.device)
+        tokens = meta.query_start_loc[idx].long()  # the row of each request's one query
+        blocks = meta.block_tables[idx, :num_blocks].long()  # [R, num_blocks]
+        keys, values = self._gather(kv_cache, blocks, q.dtype)  # [R, L, kv_heads, head_dim]
+        group = self.num_heads // self.num_kv_heads
+        if group > 1:
+            keys = keys.repeat_interleave(group, dim=2)
+            values = values.repeat_interleave(group, dim=2)
+        positions = torch.arange(keys.shape[1], device=q.device)
+        seq_lens = torch.tensor(lens, device=q.device)
+        mask = (positions[None, :] < seq_lens[:, None])[:, None, None, :]  # [R, 1, 1, L]
+        query = q[tokens].unsqueeze(2)  # [R, heads, 1, head_dim]
+        attn = F.scaled_dot_product_attention(
+            query, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mask,
+            scale=self.scale)  # [R, heads, 1, head_dim]
+        out[tokens] = attn.squeeze(2)

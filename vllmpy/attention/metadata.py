@@ -29,6 +29,8 @@ class AttentionMetadata:
     # [num_reqs, max_blocks_per_req] int32, padded with 0
     block_tables: torch.Tensor
     block_size: int
+    max_query_len: int = 0  # longest query of the step (1 for a pure decode step)
+    max_seq_len: int = 0  # longest seq_len of the step
 
     @property
     def num_reqs(self) -> int:

@@ -21,6 +21,7 @@ class Attention(nn.Module):
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
+        self.scale = scale
         self.backend: AttentionBackend = TorchReferenceBackend(
             num_heads, num_kv_heads, head_dim, scale)
         self.kv_cache: torch.Tensor | None = None

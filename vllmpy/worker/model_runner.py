@@ -106,6 +106,12 @@ class ModelRunner:
         self._load_stats.report()
         for layer, kv in zip(layers, self.kv_caches):
             layer.kv_cache = kv
+        if self.device.type == "cuda":
+            from vllmpy.attention.triton_backend import TritonAttentionBackend
+
+            for layer in layers:
+                layer.backend = TritonAttentionBackend(
+                    layer.num_heads, layer.num_kv_heads, layer.head_dim, layer.scale)
 
     # ---- one step -------------------------------------------------------------------
 
@@ -169,6 +175,8 @@ class ModelRunner:
             slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
             block_tables=table.to(dev),
             block_size=bs,
+            max_query_len=max(b - a for a, b in zip(query_start, query_start[1:])),
+            max_seq_len=max(seq_lens),
         )
         ids = torch.tensor(input_ids, dtype=torch.int64, device=dev)
         pos = torch.tensor(positions, dtype=torch.int64, device=dev)

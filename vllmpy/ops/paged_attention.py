@@ -1,0 +1,441 @@
+"""Paged attention over the KV cache: Triton kernels, their launchers and PyTorch references.
+
+The KV cache of one layer is [2, num_blocks, block_size, num_kv_heads, head_dim]; slot s
+is token ``s % block_size`` of block ``s // block_size``.
+
+``reshape_and_cache`` stores a step's new keys and values at their slots.
+
+``paged_attention`` computes attention for a mixed batch in one launch. Request i owns
+query rows ``query_start_loc[i]:query_start_loc[i+1]``; they are the last tokens of its
+``seq_lens[i]`` tokens, so query j of a request of q_len queries sits at position
+``seq_len - q_len + j`` and sees the keys at positions up to there (cached context plus
+causal attention within the chunk). A decode is simply a request with one query.
+
+Kernel layout. A program takes one *query block* (BLOCK_Q consecutive query tokens of
+one request times the GROUP query heads that share one KV head, flattened into BLOCK_M
+rows so a tensor-core dot applies even to a single decode token) and one KV head, and
+streams that request's keys in tiles of TILE_N tokens through an fp32 online softmax.
+Grid: (num_tokens // BLOCK_Q + num_seqs, num_kv_heads, num_splits). The first axis is an
+upper bound on the query blocks of any batch with that many tokens and requests, so it
+depends on no device value; a program finds its request by binary search over
+``query_start_loc`` and exits when its block lies past the request's queries.
+
+Split-KV (flash-decoding). When the batch gives too few programs to fill the GPU (a few
+long decodes), each query block's key range is cut into ``num_splits`` equal runs of
+tiles, each program writes an unnormalised partial result (accumulator, running max and
+sum), and a second kernel merges the partials. ``choose_num_splits`` picks the count.
+
+Every size the kernels need is either a device tensor or a launcher argument the caller
+knows on the host (``max_query_len``, ``max_seq_len``), so the launches can be captured
+in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+MAX_HEAD_DIM = 256
+# Split-KV gives each program at least this many keys; below it the merge costs more
+# than the parallelism gains.
+MIN_TOKENS_PER_SPLIT = 256
+MAX_SPLITS = 64
+# Programs per multiprocessor that split-KV aims for: a memory-bound program needs
+# company on its multiprocessor to keep enough loads in flight.
+PROGRAMS_PER_SM = 2
+
+
+# ---- reshape_and_cache -----------------------------------------------------------------
+
+@triton.jit
+def _reshape_and_cache_kernel(
+    k_ptr, v_ptr, cache_ptr, slot_ptr,
+    stride_k_tok, stride_k_head, stride_v_tok, stride_v_head,
+    stride_c_kv, stride_c_blk, stride_c_slot, stride_c_head,
+    num_kv_heads, head_dim,
+    BLOCK_SIZE: tl.constexpr, HEADS_PAD: tl.constexpr, DIM_PAD: tl.constexpr,
+):
+    tok = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_ptr + tok).to(tl.int64)
+    if slot < 0:  # a padding token (CUDA graph batch padding): nothing to store
+        return
+    heads = tl.arange(0, HEADS_PAD)[:, None]
+    dims = tl.arange(0, DIM_PAD)[None, :]
+    mask = (heads < num_kv_heads) & (dims < head_dim)  # [HEADS_PAD, DIM_PAD]
+    dst = (cache_ptr + (slot // BLOCK_SIZE) * stride_c_blk + (slot % BLOCK_SIZE) * stride_c_slot
+           + heads * stride_c_head + dims)
+    k = tl.load(k_ptr + tok * stride_k_tok + heads * stride_k_head + dims, mask=mask)
+    v = tl.load(v_ptr + tok * stride_v_tok + heads * stride_v_head + dims, mask=mask)
+    tl.store(dst, k.to(cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(dst + stride_c_kv, v.to(cache_ptr.dtype.element_ty), mask=mask)
+
+
+def reshape_and_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                      slot_mapping: torch.Tensor) -> None:
+    """Store k and v ([num_tokens, num_kv_heads, head_dim]) into ``kv_cache``
+    ([2, num_blocks, block_size, num_kv_heads, head_dim]) at ``slot_mapping``
+    ([num_tokens], int32 or int64); a negative slot skips its token."""
+    _check_cache(kv_cache)
+    _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
+    for name, t in (("k", k), ("v", v)):
+        if t.dim() != 3 or tuple(t.shape[1:]) != (num_kv_heads, head_dim):
+            raise ValueError(f"{name} must be [num_tokens, {num_kv_heads}, {head_dim}] to match "
+                             f"kv_cache {tuple(kv_cache.shape)}, got {tuple(t.shape)}")
+        _check_float(name, t)
+        _check_same_device(name, t, kv_cache)
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must be contiguous in its last dimension, "
+                             f"got strides {t.stride()}")
+    if k.shape[0] != v.shape[0]:
+        raise ValueError(f"k has {k.shape[0]} tokens but v has {v.shape[0]}")
+    if slot_mapping.dim() != 1 or slot_mapping.shape[0] != k.shape[0]:
+        raise ValueError(f"slot_mapping must be [{k.shape[0]}] (one slot per token), "
+                         f"got {tuple(slot_mapping.shape)}")
+    if slot_mapping.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"slot_mapping must be int32 or int64, got {slot_mapping.dtype}")
+    _check_same_device("slot_mapping", slot_mapping, kv_cache)
+    if k.shape[0] == 0:
+        return
+    _reshape_and_cache_kernel[(k.shape[0],)](
+        k, v, kv_cache, slot_mapping,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
+        num_kv_heads, head_dim,
+        BLOCK_SIZE=block_size, HEADS_PAD=triton.next_power_of_2(num_kv_heads),
+        DIM_PAD=triton.next_power_of_2(head_dim),
+    )
+
+
+def reshape_and_cache_ref(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                          slot_mapping: torch.Tensor) -> None:
+    """PyTorch reference for ``reshape_and_cache``."""
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep].long()
+    flat = kv_cache.view(2, -1, k.shape[1], k.shape[2])  # [2, num_slots, kv_heads, head_dim]
+    flat[0].index_copy_(0, slots, k[keep].to(kv_cache.dtype))
+    flat[1].index_copy_(0, slots, v[keep].to(kv_cache.dtype))
+
+
+# ---- paged_attention -------------------------------------------------------------------
+
+@triton.jit
+def _paged_attention_kernel(
+    q_ptr, cache_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
+    query_start_ptr, seq_lens_ptr, block_table_ptr,
+    scale_log2, num_seqs, num_splits, num_heads, head_dim,
+    stride_q_tok, stride_q_head, stride_o_tok, stride_o_head,
+    stride_c_kv, stride_c_blk, stride_c_slot, stride_c_head, stride_bt,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
+    BLOCK_M: tl.constexpr, TILE_N: tl.constexpr, DIM_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    q_block = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+
+    # The request owning this block: the last i with query_start[i] // BLOCK_Q + i <= q_block.
+    lo = 0
+    hi = num_seqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        right = tl.load(query_start_ptr + mid) // BLOCK_Q + mid <= q_block
+        lo = tl.where(right, mid + 1, lo)
+        hi = tl.where(right, hi, mid)
+    seq = lo - 1
+    q_start = tl.load(query_start_ptr + seq)
+    q_len = tl.load(query_start_ptr + seq + 1) - q_start
+    local_block = q_block - (q_start // BLOCK_Q + seq)
+    if local_block * BLOCK_Q >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    context_len = seq_len - q_len
+
+    # Row r of the block is query token r // GROUP_PAD of the block, head r % GROUP_PAD
+    # of this KV head's group.
+    rows = tl.arange(0, BLOCK_M)
+    row_q = local_block * BLOCK_Q + rows // GROUP_PAD  # [BLOCK_M] query index in the request
+    row_head = kv_head * GROUP + rows % GROUP_PAD  # [BLOCK_M] query head
+    row_ok = (row_q < q_len) & (rows % GROUP_PAD < GROUP)
+    row_pos = context_len + row_q  # [BLOCK_M] position in the sequence
+    row_tok = (q_start + row_q).to(tl.int64)  # [BLOCK_M] row of q / out
+    dims = tl.arange(0, DIM_PAD)
+    dim_ok = dims < head_dim
+    q = tl.load(q_ptr + row_tok[:, None] * stride_q_tok + row_head[:, None] * stride_q_head
+                + dims[None, :], mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
+    # q: [BLOCK_M, DIM_PAD]
+
+    # Keys at positions [0, kv_end) are visible to some row of the block; this program
+    # takes tiles [tile_lo, tile_hi) of them.
+    kv_end = tl.minimum(seq_len, context_len + (local_block + 1) * BLOCK_Q)
+    num_tiles = tl.cdiv(kv_end, TILE_N)
+    if SPLIT:
+        per_split = tl.cdiv(num_tiles, num_splits)
+        tile_lo = split * per_split
+        tile_hi = tl.minimum(num_tiles, tile_lo + per_split)
+    else:
+        tile_lo = 0
+        tile_hi = num_tiles
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max, log2 domain
+    l_i = tl.zeros([BLOCK_M], tl.float32)  # running sum of exp2(s - m_i)
+    acc = tl.zeros([BLOCK_M, DIM_PAD], tl.float32)
+    table_row = block_table_ptr + seq * stride_bt
+    cols = tl.arange(0, TILE_N)
+    for tile in range(tile_lo, tile_hi):
+        key_pos = tile * TILE_N + cols  # [TILE_N]
+        key_ok = key_pos < kv_end
+        block = tl.load(table_row + key_pos // BLOCK_SIZE, mask=key_ok, other=0).to(tl.int64)
+        key_off = (block * stride_c_blk + (key_pos % BLOCK_SIZE) * stride_c_slot
+                   + kv_head * stride_c_head)  # [TILE_N]
+        k = tl.load(cache_ptr + key_off[None, :] + dims[:, None],
+                    mask=key_ok[None, :] & dim_ok[:, None], other=0.0)  # [DIM_PAD, TILE_N]
+        s = tl.dot(q, k.to(q.dtype), input_precision=DOT_PRECISION) * scale_log2
+        # s: [BLOCK_M, TILE_N]
+        visible = key_ok[None, :] & (key_pos[None, :] <= row_pos[:, None])
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw no key yet
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(cache_ptr + stride_c_kv + key_off[:, None] + dims[None, :],
+                    mask=key_ok[:, None] & dim_ok[None, :], other=0.0)  # [TILE_N, DIM_PAD]
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype),
+                                            input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    if SPLIT:
+        # partials: acc [num_tokens, num_heads, num_splits, DIM_PAD], (m, l) [..., 2]
+        part = (row_tok * num_heads + row_head) * num_splits + split  # [BLOCK_M]
+        tl.store(part_acc_ptr + part[:, None] * DIM_PAD + dims[None, :], acc,
+                 mask=row_ok[:, None])
+        tl.store(part_ml_ptr + part * 2, m_i, mask=row_ok)
+        tl.store(part_ml_ptr + part * 2 + 1, l_i, mask=row_ok)
+    else:
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        tl.store(out_ptr + row_tok[:, None] * stride_o_tok + row_head[:, None] * stride_o_head
+                 + dims[None, :], out.to(out_ptr.dtype.element_ty),
+                 mask=row_ok[:, None] & dim_ok[None, :])
+
+
+@triton.jit
+def _merge_splits_kernel(
+    part_acc_ptr, part_ml_ptr, out_ptr, query_start_ptr,
+    num_seqs, num_splits, num_heads, head_dim, stride_o_tok, stride_o_head,
+    SPLITS_PAD: tl.constexpr, DIM_PAD: tl.constexpr,
+):
+    tok = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    if tok >= tl.load(query_start_ptr + num_seqs):  # a padding row past the last request
+        return
+    splits = tl.arange(0, SPLITS_PAD)
+    split_ok = splits < num_splits
+    part = (tok * num_heads + head) * num_splits + splits  # [SPLITS_PAD]
+    m = tl.load(part_ml_ptr + part * 2, mask=split_ok, other=float("-inf"))
+    sums = tl.load(part_ml_ptr + part * 2 + 1, mask=split_ok, other=0.0)
+    m_max = tl.max(m, 0)
+    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
+    w = tl.exp2(m - m_max)  # [SPLITS_PAD]; an empty split has m = -inf, so weight 0
+    dims = tl.arange(0, DIM_PAD)
+    acc = tl.load(part_acc_ptr + part[:, None] * DIM_PAD + dims[None, :],
+                  mask=split_ok[:, None], other=0.0)  # [SPLITS_PAD, DIM_PAD]
+    denom = tl.sum(sums * w, 0)
+    out = tl.sum(acc * w[:, None], 0) / tl.where(denom == 0.0, 1.0, denom)  # [DIM_PAD]
+    tl.store(out_ptr + tok * stride_o_tok + head * stride_o_head + dims,
+             out.to(out_ptr.dtype.element_ty), mask=dims < head_dim)
+
+
+@dataclass(frozen=True)
+class AttentionKernelConfig:
+    """Launch shape of ``_paged_attention_kernel``."""
+
+    block_m: int  # rows per program: query tokens x heads of one KV group
+    tile_n: int  # keys per loop iteration
+    num_warps: int
+    num_stages: int
+
+
+def default_config(max_query_len: int, num_heads: int, num_kv_heads: int,
+                   head_dim: int) -> AttentionKernelConfig:
+    """Decode batches get 16-row blocks (one token's head group, padded for the tensor
+    cores); batches with prefill rows get 64-row blocks so keys are reused across tokens."""
+    group_pad = triton.next_power_of_2(num_heads // num_kv_heads)
+    dim_pad = triton.next_power_of_2(head_dim)
+    if max_query_len <= 1:
+        return AttentionKernelConfig(block_m=max(16, group_pad),
+                                     tile_n=64 if dim_pad <= 128 else 32,
+                                     num_warps=4, num_stages=3)
+    return AttentionKernelConfig(block_m=max(64, group_pad), tile_n=64 if dim_pad <= 128 else 32,
+                                 num_warps=4 if dim_pad <= 128 else 8, num_stages=2)
+
+
+@functools.lru_cache(maxsize=8)
+def num_multiprocessors(device: torch.device) -> int:
+    """Multiprocessors of a CUDA device, which the split-KV rule sizes the grid for."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4  # the CPU runs kernels through Triton's interpreter: any small count will do
+
+
+def choose_num_splits(num_programs: int, max_seq_len: int, num_sms: int) -> int:
+    """Split-KV rule: enough splits that ``num_programs`` (query blocks x KV heads) becomes
+    about PROGRAMS_PER_SM programs per multiprocessor, but no split shorter than
+    MIN_TOKENS_PER_SPLIT keys and at most MAX_SPLITS; a power of two (few compiled variants)."""
+    want = -(-PROGRAMS_PER_SM * num_sms // max(num_programs, 1))
+    cap = min(MAX_SPLITS, max(1, max_seq_len // MIN_TOKENS_PER_SPLIT))
+    splits = max(1, min(want, cap))
+    return 1 << (splits.bit_length() - 1)
+
+
+def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor,
+                    query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+                    block_tables: torch.Tensor, *, scale: float, max_query_len: int,
+                    max_seq_len: int, num_splits: int | None = None,
+                    config: AttentionKernelConfig | None = None) -> torch.Tensor:
+    """Attention of every request's new queries over its cached keys and values.
+
+    q, out: [num_tokens, num_heads, head_dim] (rows past ``query_start_loc[-1]`` are
+    padding and left untouched); kv_cache: [2, num_blocks, block_size, num_kv_heads,
+    head_dim]; query_start_loc: [num_seqs + 1] int32; seq_lens: [num_seqs] int32;
+    block_tables: [num_seqs, max_blocks] int32. ``max_query_len`` and ``max_seq_len``
+    bound the batch's query lengths and sequence lengths (the host knows them); they
+    pick the kernel variant and the split count, never the result. ``num_splits`` fixes
+    the split count (a CUDA graph needs the same one on every replay). Returns ``out``.
+    """
+    _check_attention_args(q, kv_cache, out, query_start_loc, seq_lens, block_tables)
+    num_tokens, num_heads, head_dim = q.shape
+    _, _, block_size, num_kv_heads, _ = kv_cache.shape
+    num_seqs = seq_lens.shape[0]
+    if num_tokens == 0 or num_seqs == 0:
+        return out
+    group = num_heads // num_kv_heads
+    cfg = config or default_config(max_query_len, num_heads, num_kv_heads, head_dim)
+    group_pad = triton.next_power_of_2(group)
+    if cfg.block_m < group_pad or cfg.block_m % group_pad:
+        raise ValueError(f"block_m {cfg.block_m} must be a multiple of the padded head "
+                         f"group {group_pad}")
+    block_q = cfg.block_m // group_pad
+    num_q_blocks = num_tokens // block_q + num_seqs
+    if num_splits is None:
+        busy_blocks = max(num_seqs, min(num_q_blocks, num_tokens // block_q))
+        num_splits = choose_num_splits(busy_blocks * num_kv_heads, max_seq_len,
+                                       num_multiprocessors(q.device))
+    if num_splits < 1:
+        raise ValueError(f"num_splits must be at least 1, got {num_splits}")
+    dim_pad = triton.next_power_of_2(head_dim)
+    if num_splits > 1:
+        # [num_tokens, num_heads, num_splits, dim_pad] partial sums, [..., 2] (max, sum)
+        part_acc = torch.empty((num_tokens, num_heads, num_splits, dim_pad),
+                               dtype=torch.float32, device=q.device)
+        part_ml = torch.empty((num_tokens, num_heads, num_splits, 2),
+                              dtype=torch.float32, device=q.device)
+    else:
+        part_acc = part_ml = out  # unused
+    _paged_attention_kernel[(num_q_blocks, num_kv_heads, num_splits)](
+        q, kv_cache, out, part_acc, part_ml,
+        query_start_loc, seq_lens, block_tables,
+        scale * math.log2(math.e), num_seqs, num_splits, num_heads, head_dim,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
+        block_tables.stride(0),
+        GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, BLOCK_M=cfg.block_m,
+        TILE_N=cfg.tile_n, DIM_PAD=dim_pad, BLOCK_SIZE=block_size, SPLIT=num_splits > 1,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    if num_splits > 1:
+        _merge_splits_kernel[(num_tokens, num_heads)](
+            part_acc, part_ml, out, query_start_loc,
+            num_seqs, num_splits, num_heads, head_dim, out.stride(0), out.stride(1),
+            SPLITS_PAD=triton.next_power_of_2(num_splits), DIM_PAD=dim_pad, num_warps=4,
+        )
+    return out
+
+
+def paged_attention_ref(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: torch.Tensor,
+                        seq_lens: torch.Tensor, block_tables: torch.Tensor,
+                        scale: float) -> torch.Tensor:
+    """PyTorch reference for ``paged_attention``: per request, gather its blocks and run
+    masked softmax attention in fp32. Rows past the last request come back as zeros."""
+    out = torch.zeros_like(q)
+    block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
+    group = q.shape[1] // num_kv_heads
+    starts = query_start_loc.tolist()
+    for i, seq_len in enumerate(seq_lens.tolist()):
+        q_start, q_end = starts[i], starts[i + 1]
+        if q_end == q_start:
+            continue
+        blocks = block_tables[i, :-(-seq_len // block_size)].long()
+        # [2, n_blocks, block_size, kv_heads, head_dim] -> [2, seq_len, heads, head_dim]
+        kv = kv_cache[:, blocks].flatten(1, 2)[:, :seq_len].float()
+        kv = kv.repeat_interleave(group, dim=2)
+        query = q[q_start:q_end].float()  # [q_len, heads, head_dim]
+        scores = torch.einsum("qhd,khd->hqk", query, kv[0]) * scale
+        q_pos = torch.arange(seq_len - (q_end - q_start), seq_len, device=q.device)
+        visible = q_pos[:, None] >= torch.arange(seq_len, device=q.device)[None, :]
+        scores = scores.masked_fill(~visible, float("-inf"))
+        out[q_start:q_end] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), kv[1]).to(q.dtype)
+    return out
+
+
+# ---- argument checks -------------------------------------------------------------------
+
+def _check_float(name: str, t: torch.Tensor) -> None:
+    if t.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"{name} has dtype {t.dtype}; the Triton attention kernels take "
+                         f"float32, bfloat16 or float16")
+
+
+def _check_same_device(name: str, t: torch.Tensor, ref: torch.Tensor) -> None:
+    if t.device != ref.device:
+        raise ValueError(f"{name} is on {t.device} but kv_cache is on {ref.device}")
+
+
+def _check_cache(kv_cache: torch.Tensor) -> None:
+    if kv_cache.dim() != 5 or kv_cache.shape[0] != 2:
+        raise ValueError("kv_cache must be [2, num_blocks, block_size, num_kv_heads, head_dim], "
+                         f"got {tuple(kv_cache.shape)}")
+    _check_float("kv_cache", kv_cache)
+    if kv_cache.stride(-1) != 1:
+        raise ValueError(f"kv_cache must be contiguous in head_dim, got strides "
+                         f"{kv_cache.stride()}")
+    if kv_cache.shape[-1] > MAX_HEAD_DIM:
+        raise ValueError(f"head_dim {kv_cache.shape[-1]} is over the kernels' limit "
+                         f"of {MAX_HEAD_DIM}")
+
+
+def _check_attention_args(q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor,
+                          query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+                          block_tables: torch.Tensor) -> None:
+    _check_cache(kv_cache)
+    num_kv_heads, head_dim = kv_cache.shape[3], kv_cache.shape[4]
+    if q.dim() != 3 or q.shape[2] != head_dim:
+        raise ValueError(f"q must be [num_tokens, num_heads, {head_dim}] to match kv_cache "
+                         f"{tuple(kv_cache.shape)}, got {tuple(q.shape)}")
+    if q.shape[1] % num_kv_heads:
+        raise ValueError(f"q has {q.shape[1]} heads, not a multiple of the cache's "
+                         f"{num_kv_heads} KV heads")
+    if out.shape != q.shape:
+        raise ValueError(f"out must have q's shape {tuple(q.shape)}, got {tuple(out.shape)}")
+    for name, t in (("q", q), ("out", out)):
+        _check_float(name, t)
+        _check_same_device(name, t, kv_cache)
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must be contiguous in head_dim, got strides {t.stride()}")
+    num_seqs = seq_lens.shape[0] if seq_lens.dim() == 1 else -1
+    for name, t, shape in (("query_start_loc", query_start_loc, (num_seqs + 1,)),
+                           ("seq_lens", seq_lens, (num_seqs,)),
+                           ("block_tables", block_tables, (num_seqs, block_tables.shape[-1]))):
+        if tuple(t.shape) != shape or t.dtype != torch.int32:
+            raise ValueError(f"{name} must be int32 of shape {shape} for {num_seqs} "
+                             f"requests, got {t.dtype} {tuple(t.shape)}")
+        _check_same_device(name, t, kv_cache)
+    if block_tables.stride(-1) != 1:
+        raise ValueError(f"block_tables must be contiguous in its last dimension, got strides "
+                         f"{block_tables.stride()}")
