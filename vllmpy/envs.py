@@ -51,6 +51,9 @@ _VARIABLES: dict[str, Callable[[], Any]] = {
     "VLLM_API_KEY": lambda: os.environ.get("VLLM_API_KEY") or None,
     # "1" logs one line per engine step (scheduled tokens, running, waiting) to stderr.
     "VT_ENGINE_STEP_LOG": lambda: os.environ.get("VT_ENGINE_STEP_LOG", "0") == "1",
+    # vllm-bench offline mode: "0" times text prompts (tokenization inside the timed
+    # region); anything else (default) tokenizes every prompt before timing.
+    "VT_BENCH_PRETOKENIZE": lambda: os.environ.get("VT_BENCH_PRETOKENIZE", "1").strip() != "0",
 }
 
 

@@ -49,4 +49,4 @@ class RequestOutput:
     finished: bool = False
     num_cached_tokens: int = 0
     prompt_logprobs: list | None = None
-    metrics: RequestMetrics | None = None  # filled by AsyncLLM; None from LLM
+    metrics: RequestMetrics | None = None  # filled by AsyncLLM and LLM

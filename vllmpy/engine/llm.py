@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterator, Sequence
-from dataclasses import fields
+from dataclasses import fields, replace
 from typing import Any
 
 from vllmpy.config import EngineArgs
@@ -14,7 +14,7 @@ from vllmpy.engine.input_processor import InputProcessor, PromptType
 from vllmpy.engine.output_processor import OutputProcessor
 from vllmpy.loader.load_stats import LoadStats
 from vllmpy.loader.source import load_tokenizer, resolve_model_source
-from vllmpy.outputs import RequestOutput
+from vllmpy.outputs import RequestMetrics, RequestOutput
 from vllmpy.sampling_params import RequestOutputKind, SamplingParams
 
 Message = dict[str, Any]
@@ -45,30 +45,83 @@ class LLM:
         self.output_processor = OutputProcessor(self.tokenizer)
         self.engine = InprocClient(self.config, self.source)
         self._counter = itertools.count()
+        self._metrics: dict[str, RequestMetrics] = {}  # per unfinished request
 
     def get_tokenizer(self) -> Any:
         return self.tokenizer
 
     # ---- requests -----------------------------------------------------------------------
 
+    def add_request(self, prompt: PromptType, sampling_params: SamplingParams) -> str:
+        """Queue one prompt without waiting for it (vLLM's ``LLMEngine.add_request``);
+        returns its request id. Drive it with ``step()``; its outputs come as
+        ``sampling_params.output_kind`` asks."""
+        return self._add_request(prompt, sampling_params)
+
+    def step(self) -> list[RequestOutput]:
+        """Run one engine step; returns the RequestOutputs it produced (vLLM's
+        ``LLMEngine.step``). Each carries ``metrics``."""
+        return self._step()
+
+    def has_unfinished_requests(self) -> bool:
+        return self.output_processor.has_unfinished()
+
     def _add_request(self, prompt: PromptType, params: SamplingParams) -> str:
         request_id = str(next(self._counter))
         processed = self.input_processor.process_prompt(request_id, prompt, params)
         self.output_processor.add_request(request_id, processed.prompt,
                                           processed.prompt_token_ids, processed.child_params)
+        self._metrics[request_id] = RequestMetrics(
+            arrival_time=processed.core_requests[0].arrival_time,
+            num_prompt_tokens=len(processed.prompt_token_ids))
         for req in processed.core_requests:
             self.engine.add_request(req)
         return request_id
 
     def _step(self) -> list[RequestOutput]:
-        core_outputs = self.engine.get_output().outputs
+        batch = self.engine.get_output()
+        core_outputs = batch.outputs
         if not core_outputs and not self.engine.has_unfinished_requests():
             raise RuntimeError("the engine core has no requests left but the frontend still "
                                "waits for some; this is a bug")
+        self._record_token_times(batch.outputs, batch.timestamp)
         outputs, to_abort = self.output_processor.process_outputs(core_outputs)
         if to_abort:
             self.engine.abort_requests(to_abort)
+        for out in outputs:
+            out.metrics = self._take_metrics(out.request_id, out.finished, batch.timestamp)
         return outputs
+
+    def _record_token_times(self, core_outputs: list, now: float) -> None:
+        """Token timing per request, as AsyncLLM keeps it: one interval per request and
+        step that produced tokens (``now`` is the step's end, time.time())."""
+        timed: set[str] = set()
+        for out in core_outputs:
+            parent_id = self.output_processor.child_to_parent.get(out.req_id)
+            m = self._metrics.get(parent_id) if parent_id is not None else None
+            if parent_id is None or m is None:
+                continue
+            if out.first_scheduled_time is not None and m.first_scheduled_time is None:
+                m.first_scheduled_time = out.first_scheduled_time
+            if out.new_token_ids:
+                m.num_generation_tokens += len(out.new_token_ids)
+                if parent_id not in timed:
+                    timed.add(parent_id)
+                    if m.last_token_time is None:
+                        m.first_token_time = now
+                    else:
+                        m.inter_token_latencies.append(now - m.last_token_time)
+                    m.last_token_time = now
+
+    def _take_metrics(self, request_id: str, finished: bool, now: float
+                      ) -> RequestMetrics | None:
+        """A snapshot for one handed-out output; its intervals are not handed out again."""
+        m = self._metrics.pop(request_id, None) if finished else self._metrics.get(request_id)
+        if m is None:
+            return None
+        snapshot = replace(m, finished_time=now if finished else None)
+        m.inter_token_latencies = []
+        return snapshot
 
     def _normalize(self, prompts: PromptType | Sequence[PromptType],
                    sampling_params: SamplingParams | Sequence[SamplingParams] | None,
@@ -136,6 +189,7 @@ class LLM:
 
     def _abort_all(self, request_ids: list[str]) -> None:
         for rid in request_ids:
+            self._metrics.pop(rid, None)
             child_ids = self.output_processor.abort(rid)
             if child_ids:
                 self.engine.abort_requests(child_ids)

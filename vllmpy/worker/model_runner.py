@@ -88,7 +88,8 @@ class ModelRunner:
         params = dict(model.named_parameters())
         shapes = {name: (p.shape, p.dtype) for name, p in params.items()}
         with torch.no_grad():
-            for name, tensor in dummy_weights(shapes, seed=self.config.model.seed):
+            for name, tensor in dummy_weights(shapes, seed=self.config.model.seed,
+                                              device=self.device):
                 params[name].copy_(tensor)
 
     def initialize_kv_cache(self) -> None:

@@ -195,6 +195,7 @@ def _server_info(engine: AsyncLLM, args: argparse.Namespace, name: str) -> dict[
             "max_model_len": cfg.model.max_model_len, "block_size": cfg.cache.block_size,
             "num_blocks": cfg.cache.num_blocks,
             "kv_cache_dtype": str(cfg.cache.kv_cache_dtype).removeprefix("torch."),
+            "kv_cache_dtype_requested": cfg.cache.kv_cache_dtype_requested,
             "max_num_seqs": cfg.scheduler.max_num_seqs,
             "max_num_batched_tokens": cfg.scheduler.max_num_batched_tokens,
             "device": cfg.device,

@@ -1,0 +1,103 @@
+"""The GPU speed table in one run: engine rows through vllm-bench (offline, dummy weights
+from the real configs in benchmarks/configs) and transformers on the same config as the peer.
+
+    python benchmarks/gpu_table.py --out DIR [--rows P2,P1,P3]
+
+Each row's full vllm-bench report and JSON land in DIR; the short table is printed last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+CONFIGS = {"qwen3-0.6b": os.path.join(HERE, "configs", "qwen3-0.6b"),
+           "qwen3-8b": os.path.join(HERE, "configs", "qwen3-8b")}
+
+# row -> (model, vllm-bench arguments)
+ROWS = {
+    "P2": ("qwen3-0.6b", ["--num-prompts", "1", "--input-len", "512", "--output-len", "256",
+                          "--num-blocks", "512"]),
+    "P1": ("qwen3-8b", ["--num-prompts", "1", "--input-len", "512", "--output-len", "256",
+                        "--num-blocks", "512"]),
+    "P3": ("qwen3-0.6b", ["--num-prompts", "256", "--input-len", "100:1024",
+                          "--output-len", "100:1024", "--max-num-seqs", "256",
+                          "--max-num-batched-tokens", "8192", "--num-blocks", "16384"]),
+    "P4": ("qwen3-8b", ["--num-prompts", "1000", "--input-len", "1024", "--output-len", "512",
+                        "--max-num-seqs", "256", "--max-num-batched-tokens", "8192",
+                        "--num-blocks", "12288"]),
+}
+
+
+def run_row(row: str, out_dir: str) -> dict:
+    model, extra = ROWS[row]
+    json_path = os.path.join(out_dir, f"{row}.json")
+    cmd = [sys.executable, "-m", "vllmpy.entrypoints.bench", "--model", CONFIGS[model],
+           "--load-format", "dummy", "--device", "cuda", "--dtype", "bfloat16",
+           "--output-json", json_path, *extra]
+    start = time.time()
+    with open(os.path.join(out_dir, f"{row}.log"), "w") as log:
+        proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, text=True)
+    result = {"row": row, "model": model, "rc": proc.returncode,
+              "wall_s": round(time.time() - start, 1)}
+    if proc.returncode == 0 and os.path.exists(json_path):
+        with open(json_path) as f:
+            result.update(json.load(f))
+    return result
+
+
+def transformers_decode(model: str, out_dir: str, prompt_len: int = 512,
+                        new_tokens: int = 256) -> dict:
+    """Peer row: transformers generate() on the same config, random weights, bf16, batch 1."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.from_pretrained(CONFIGS[model])
+    with torch.device("cuda"):
+        m = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
+    ids = torch.randint(0, cfg.vocab_size, (1, prompt_len), device="cuda")
+    kw = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+    m.generate(ids, max_new_tokens=8, do_sample=False)  # warm-up
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    m.generate(ids, **kw)
+    torch.cuda.synchronize()
+    dt = time.perf_counter() - t
+    return {"row": f"HF {model}", "output_throughput": new_tokens / dt, "duration": dt}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--rows", default="P2,P1,P3")
+    p.add_argument("--peer", default="qwen3-0.6b,qwen3-8b")
+    args = p.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    results = []
+    for row in args.rows.split(","):
+        results.append(run_row(row, args.out))
+        print(json.dumps(results[-1]), file=sys.stderr, flush=True)
+    for model in filter(None, args.peer.split(",")):
+        try:
+            results.append(transformers_decode(model, args.out))
+        except Exception as e:  # noqa: BLE001 - a failed peer row is reported, not fatal
+            results.append({"row": f"HF {model}", "error": repr(e)})
+        print(json.dumps(results[-1]), file=sys.stderr, flush=True)
+    with open(os.path.join(args.out, "table.json"), "w") as f:
+        json.dump(results, f, indent=2)
+    print(f"{'row':<16}{'model':<12}{'out tok/s':>12}{'total tok/s':>13}{'secs':>9}  rc")
+    for r in results:
+        print(f"{r['row']:<16}{r.get('model', ''):<12}"
+              f"{r.get('output_throughput', float('nan')):>12.1f}"
+              f"{r.get('total_token_throughput', float('nan')):>13.1f}"
+              f"{r.get('duration', float('nan')):>9.2f}  {r.get('rc', r.get('error', ''))}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
