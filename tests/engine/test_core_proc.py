@@ -18,7 +18,8 @@ from vllmpy.core.sched_output import EngineCoreOutput, EngineCoreOutputs, Schedu
 from vllmpy.engine import core_proc
 from vllmpy.engine.configure import build_engine_config
 from vllmpy.engine.core import EngineCore, EngineCoreRequest
-from vllmpy.engine.core_client import AsyncMPClient, EngineStartupError
+from vllmpy.engine.core_client import EngineStartupError
+from vllmpy.engine.mp_client import AsyncMPClient
 from vllmpy.loader.source import resolve_model_source
 from vllmpy.sampling_params import RequestOutputKind, SamplingParams
 
@@ -175,7 +176,7 @@ ORPHAN_SCRIPT = """
 import os, signal, sys
 from vllmpy.config import EngineArgs
 from vllmpy.engine.configure import build_engine_config
-from vllmpy.engine.core_client import AsyncMPClient
+from vllmpy.engine.mp_client import AsyncMPClient
 from vllmpy.loader.source import resolve_model_source
 
 if __name__ == "__main__":

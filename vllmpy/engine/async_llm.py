@@ -21,11 +21,11 @@ from vllmpy.core.sched_output import EngineCoreOutputs, SchedulerStats
 from vllmpy.engine.configure import build_engine_config
 from vllmpy.engine.core_client import (
     AsyncInprocClient,
-    AsyncMPClient,
     EngineDeadError,
     EngineStartupError,
 )
 from vllmpy.engine.input_processor import InputProcessor, PromptType
+from vllmpy.engine.mp_client import AsyncMPClient
 from vllmpy.engine.output_processor import OutputProcessor
 from vllmpy.loader.load_stats import LoadStats
 from vllmpy.loader.source import ModelSource, load_tokenizer, resolve_model_source
