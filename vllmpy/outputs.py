@@ -39,6 +39,25 @@ class RequestMetrics:
     num_generation_tokens: int = 0  # across all n completions
     inter_token_latencies: list[float] = field(default_factory=list)
 
+    def observe_step(self, first_scheduled_time: float | None, num_new_tokens: int,
+                     now: float, first_in_step: bool) -> None:
+        """Fold in one core output of a step ending at ``now``. Only the first output of
+        a request in a step (``first_in_step``) counts a token interval, so ``n`` child
+        completions do not multiply them."""
+        if first_scheduled_time is not None and (
+                self.first_scheduled_time is None
+                or first_scheduled_time < self.first_scheduled_time):
+            self.first_scheduled_time = first_scheduled_time
+        if not num_new_tokens:
+            return
+        self.num_generation_tokens += num_new_tokens
+        if first_in_step:
+            if self.last_token_time is None:
+                self.first_token_time = now
+            else:
+                self.inter_token_latencies.append(now - self.last_token_time)
+            self.last_token_time = now
+
 
 @dataclass
 class RequestOutput:

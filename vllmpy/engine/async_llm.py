@@ -241,20 +241,10 @@ class AsyncLLM:
             state = self._requests.get(parent_id) if parent_id is not None else None
             if parent_id is None or state is None:
                 continue
-            m = state.metrics
-            if out.first_scheduled_time is not None and (
-                    m.first_scheduled_time is None
-                    or out.first_scheduled_time < m.first_scheduled_time):
-                m.first_scheduled_time = out.first_scheduled_time
+            state.metrics.observe_step(out.first_scheduled_time, len(out.new_token_ids), now,
+                                       parent_id not in timed)
             if out.new_token_ids:
-                m.num_generation_tokens += len(out.new_token_ids)
-                if parent_id not in timed:
-                    timed.add(parent_id)
-                    if m.last_token_time is None:
-                        m.first_token_time = now
-                    else:
-                        m.inter_token_latencies.append(now - m.last_token_time)
-                    m.last_token_time = now
+                timed.add(parent_id)
             if out.finish_reason == "error" and not state.failed:
                 state.failed = True
                 state.queue.put_nowait(EngineGenerateError(

@@ -101,17 +101,10 @@ class LLM:
             m = self._metrics.get(parent_id) if parent_id is not None else None
             if parent_id is None or m is None:
                 continue
-            if out.first_scheduled_time is not None and m.first_scheduled_time is None:
-                m.first_scheduled_time = out.first_scheduled_time
+            m.observe_step(out.first_scheduled_time, len(out.new_token_ids), now,
+                           parent_id not in timed)
             if out.new_token_ids:
-                m.num_generation_tokens += len(out.new_token_ids)
-                if parent_id not in timed:
-                    timed.add(parent_id)
-                    if m.last_token_time is None:
-                        m.first_token_time = now
-                    else:
-                        m.inter_token_latencies.append(now - m.last_token_time)
-                    m.last_token_time = now
+                timed.add(parent_id)
 
     def _take_metrics(self, request_id: str, finished: bool, now: float
                       ) -> RequestMetrics | None:
