@@ -122,6 +122,7 @@ class EngineConfig:
     cache: CacheConfig
     scheduler: SchedulerConfig
     device: str  # "cpu" or "cuda"
+    enforce_eager: bool = False  # CUDA: never capture or replay CUDA graphs
 
 
 @dataclass
@@ -144,6 +145,7 @@ class EngineArgs:
     kv_cache_dtype: str = "auto"
     max_num_seqs: int = 32
     max_num_batched_tokens: int | None = None  # default 2048
+    enforce_eager: bool = False  # CUDA: run every step eagerly (no CUDA graphs)
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -169,6 +171,8 @@ class EngineArgs:
         g.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES)
         g.add_argument("--max-num-seqs", type=_positive_int, default=32)
         g.add_argument("--max-num-batched-tokens", type=_positive_int, default=None)
+        g.add_argument("--enforce-eager", action="store_true",
+                       help="CUDA: run every step eagerly, without CUDA graphs")
         return parser
 
     @classmethod

@@ -127,4 +127,5 @@ def build_engine_config(args: EngineArgs, source: ModelSource | None = None) -> 
     )
     budget = args.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS
     return EngineConfig(model=model, cache=cache,
-                        scheduler=SchedulerConfig(args.max_num_seqs, budget), device=device)
+                        scheduler=SchedulerConfig(args.max_num_seqs, budget), device=device,
+                        enforce_eager=args.enforce_eager)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -18,6 +19,9 @@ from vllmpy.models.registry import resolve_model_class
 from vllmpy.sample.metadata import SamplingMetadata
 from vllmpy.sample.sampler import Sampler
 from vllmpy.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from vllmpy.worker.cuda_graphs import DecodeGraphs
 
 
 @dataclass
@@ -61,6 +65,8 @@ class ModelRunner:
         self.model: CausalLM | None = None
         self.kv_caches: list[torch.Tensor] = []
         self._load_stats = LoadStats()
+        # CUDA graphs of the decode forward, once captured (CUDA without enforce_eager)
+        self.decode_graphs: DecodeGraphs | None = None
 
     # ---- start-up -------------------------------------------------------------------
 
@@ -113,6 +119,18 @@ class ModelRunner:
             for layer in layers:
                 layer.backend = TritonAttentionBackend(
                     layer.num_heads, layer.num_kv_heads, layer.head_dim, layer.scale)
+            if not self.config.enforce_eager:
+                self._capture_decode_graphs()
+
+    def _capture_decode_graphs(self) -> None:
+        from vllmpy.worker.cuda_graphs import DecodeGraphs
+
+        with self._load_stats.phase("cuda_graphs"):
+            graphs = DecodeGraphs(self.model, self.device,  # type: ignore[arg-type]
+                                  self.config.scheduler.max_num_seqs,
+                                  self.config.model.max_model_len, self.block_size)
+            graphs.capture()
+        self.decode_graphs = graphs
 
     # ---- one step -------------------------------------------------------------------
 
@@ -202,7 +220,12 @@ class ModelRunner:
         if not req_ids:
             return ModelRunnerOutput([], [])
         ids, pos, meta, sample_rows, logits_idx = self._prepare_inputs(req_ids, out)
-        hidden = self.model(ids, pos, meta)  # [num_tokens, hidden_size]
+        graphs = self.decode_graphs
+        if (graphs is not None and meta.max_query_len == 1
+                and len(req_ids) <= graphs.max_size):
+            hidden = graphs.run(ids, pos, meta)  # a pure decode step: replay
+        else:
+            hidden = self.model(ids, pos, meta)  # [num_tokens, hidden_size]
         sampled: list[list[int]] = [[] for _ in req_ids]
         if sample_rows:
             logits = self.model.compute_logits(hidden[logits_idx])  # [num_sampled, vocab]
