@@ -22,7 +22,8 @@ class GreedyTrace:
 
 @torch.inference_mode()
 def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> GreedyTrace:
-    ids = torch.tensor([prompt_ids])
+    device = next(model.parameters()).device
+    ids = torch.tensor([prompt_ids], device=device)
     out = model(input_ids=ids, use_cache=True)
     past = out.past_key_values
     tokens: list[int] = []
@@ -33,7 +34,8 @@ def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> GreedyTrace:
         tok = int(top.indices[0])
         tokens.append(tok)
         margins.append(float(top.values[0] - top.values[1]))
-        out = model(input_ids=torch.tensor([[tok]]), past_key_values=past, use_cache=True)
+        out = model(input_ids=torch.tensor([[tok]], device=device), past_key_values=past,
+                    use_cache=True)
         past = out.past_key_values
     return GreedyTrace(tokens, margins)
 
