@@ -161,16 +161,16 @@ class EngineArgs:
                        help="'dummy' initialises random weights from config.json")
         g.add_argument("--dtype", default="auto", choices=DTYPES)
         g.add_argument("--device", default="auto", choices=DEVICES)
-        g.add_argument("--max-model-len", type=_positive_int, default=None)
-        g.add_argument("--block-size", type=_positive_int, default=32)
-        g.add_argument("--num-blocks", type=_positive_int, default=None,
+        g.add_argument("--max-model-len", type=positive_int, default=None)
+        g.add_argument("--block-size", type=positive_int, default=32)
+        g.add_argument("--num-blocks", type=positive_int, default=None,
                        help="KV blocks per layer (default 256)")
         g.add_argument("--kv-cache-memory", type=_byte_size, default=None,
                        help="byte budget for the whole KV pool, every layer included "
                             "(suffixes K, M, G, Ki, Mi, Gi accepted)")
         g.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES)
-        g.add_argument("--max-num-seqs", type=_positive_int, default=32)
-        g.add_argument("--max-num-batched-tokens", type=_positive_int, default=None)
+        g.add_argument("--max-num-seqs", type=positive_int, default=32)
+        g.add_argument("--max-num-batched-tokens", type=positive_int, default=None)
         g.add_argument("--enforce-eager", action="store_true",
                        help="CUDA: run every step eagerly, without CUDA graphs")
         return parser
@@ -186,7 +186,7 @@ class EngineArgs:
         return build_engine_config(self)
 
 
-def _positive_int(text: str) -> int:
+def positive_int(text: str) -> int:
     try:
         value = int(text)
     except ValueError:

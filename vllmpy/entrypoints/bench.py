@@ -30,7 +30,8 @@ from typing import Any
 import numpy as np
 
 from vllmpy import envs
-from vllmpy.config import EngineArgs
+from vllmpy.config import EngineArgs, positive_int
+from vllmpy.entrypoints.arg_utils import OneLineArgumentParser
 
 PROG = "vllm-bench"
 LABEL_WIDTH = 43  # report values start in the column after this many characters
@@ -42,12 +43,6 @@ class UsageError(ValueError):
     """A bad flag, value or input file: one line on stderr and exit status 2."""
 
 
-class _Parser(argparse.ArgumentParser):
-    """Bad flags and values exit 2 with one line naming them."""
-
-    def error(self, message: str) -> None:  # type: ignore[override]
-        print(f"{PROG}: {message}", file=sys.stderr)
-        raise SystemExit(2)
 
 
 @dataclass(frozen=True)
@@ -96,18 +91,18 @@ class RequestResult:
 
 # ---- flags ------------------------------------------------------------------------------
 
-def make_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog=PROG, allow_abbrev=False,
+def make_parser() -> OneLineArgumentParser:
+    p = OneLineArgumentParser(prog=PROG,
                 description="Benchmark offline throughput, or a running server's latency.")
     p.add_argument("--dataset-path", default=None,
                    help="JSONL: one object per line with 'prompt' (and optional "
                         "'output_len') or 'prompt_token_ids'; random token ids without it")
-    p.add_argument("--num-prompts", type=_positive_int, default=100)
+    p.add_argument("--num-prompts", type=positive_int, default=100)
     p.add_argument("--input-len", type=LengthRange.parse, default=None,
                    help="random prompt length: N or A:B (uniform); default 1024")
     p.add_argument("--output-len", type=LengthRange.parse, default=None,
                    help="output tokens: N or A:B (uniform); default 128")
-    p.add_argument("--concurrency", type=_positive_int, default=None,
+    p.add_argument("--concurrency", type=positive_int, default=None,
                    help="most requests in flight (default: all at once)")
     p.add_argument("--request-rate", type=_rate, default=math.inf,
                    help="serving mode: Poisson arrivals per second (default inf)")
@@ -122,13 +117,6 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--endpoint", default="/v1/completions")
     EngineArgs.add_cli_args(p)
     return p
-
-
-def _positive_int(text: str) -> int:
-    value = _non_negative_int(text)
-    if value == 0:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
 
 
 def _non_negative_int(text: str) -> int:
@@ -154,9 +142,7 @@ def _rate(text: str) -> float:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = make_parser()
-    args, extra = parser.parse_known_args(argv)
-    if extra:
-        parser.error(f"unknown argument '{extra[0]}'")
+    args = parser.parse_strict(argv)
     if args.dataset_path is not None and not os.path.isfile(args.dataset_path):
         parser.error(f"--dataset-path: no such file: {args.dataset_path}")
     if args.dataset_path is not None and args.input_len is not None:

@@ -10,20 +10,15 @@ import sys
 import time
 
 from vllmpy.config import EngineArgs
+from vllmpy.entrypoints.arg_utils import OneLineArgumentParser
 
 PROG = "vllm-cli"
 
 
-class _Parser(argparse.ArgumentParser):
-    """Bad flags and values exit 2 with one line naming them."""
-
-    def error(self, message: str) -> None:  # type: ignore[override]
-        print(f"{PROG}: {message}", file=sys.stderr)
-        raise SystemExit(2)
 
 
-def make_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog=PROG, description="Run a one-shot completion.", allow_abbrev=False)
+def make_parser() -> OneLineArgumentParser:
+    p = OneLineArgumentParser(prog=PROG, description="Run a one-shot completion.")
     p.add_argument("--prompt", required=True, help="prompt text")
     p.add_argument("--max-tokens", type=int, default=16,
                    help="most tokens to generate (<= 0: up to max_model_len)")
@@ -42,9 +37,7 @@ def make_parser() -> argparse.ArgumentParser:
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser = make_parser()
-    args, extra = parser.parse_known_args(argv)
-    if extra:
-        parser.error(f"unknown argument '{extra[0]}'")
+    args = parser.parse_strict(argv)
     if args.speculative_config is not None:
         parser.error("--speculative-config: speculative decoding is not supported yet")
     if args.repeat is not None and args.repeat < 1:

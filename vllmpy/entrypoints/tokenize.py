@@ -10,26 +10,21 @@ status: 0 when every round trip holds, 1 when one does not, 2 for bad arguments.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import time
 from typing import Any
 
+from vllmpy.entrypoints.arg_utils import OneLineArgumentParser
+
 PROG = "vllm-tokenize"
 LABEL_WIDTH = 43
 
 
-class _Parser(argparse.ArgumentParser):
-    """Bad arguments exit 2 with one line naming them."""
-
-    def error(self, message: str) -> None:  # type: ignore[override]
-        print(f"{PROG}: {message}", file=sys.stderr)
-        raise SystemExit(2)
 
 
-def make_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog=PROG, allow_abbrev=False,
+def make_parser() -> OneLineArgumentParser:
+    p = OneLineArgumentParser(prog=PROG,
                 description="Tokenize a corpus, time it and check the round trip.")
     p.add_argument("tokenizer", help="model directory or tokenizer.json (tokenizer.json and "
                                      "tokenizer_config.json), or a .gguf file")

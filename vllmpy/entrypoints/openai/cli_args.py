@@ -12,6 +12,7 @@ import os
 import sys
 
 from vllmpy.config import EngineArgs
+from vllmpy.entrypoints.arg_utils import OneLineArgumentParser
 
 PROG = "server"
 
@@ -24,15 +25,11 @@ INERT_FLAGS = {
 }
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # type: ignore[override]
-        print(f"{PROG}: {message}", file=sys.stderr)
-        raise SystemExit(2)
 
 
-def make_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="vllm-server", description="OpenAI-compatible HTTP server.",
-                allow_abbrev=False)
+def make_parser() -> OneLineArgumentParser:
+    p = OneLineArgumentParser(prog="vllm-server", description="OpenAI-compatible HTTP server.",
+                              error_label=PROG)
     g = p.add_argument_group("server")
     g.add_argument("--host", default="0.0.0.0", help="bind host")
     g.add_argument("--port", type=int, default=8000, help="bind port")
@@ -70,9 +67,7 @@ def make_parser() -> argparse.ArgumentParser:
 
 def parse_server_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = make_parser()
-    args, extra = parser.parse_known_args(argv)
-    if extra:
-        parser.error(f"unknown argument '{extra[0]}'")
+    args = parser.parse_strict(argv)
     for flag, why in INERT_FLAGS.items():
         if getattr(args, flag.lstrip("-").replace("-", "_")):
             print(f"{PROG}: accepted '{flag}' for published-recipe compatibility; it has no "
