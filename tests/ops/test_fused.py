@@ -6,13 +6,9 @@ they also run in bf16 and fp16 on model-sized shapes, and the layers take them.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"  # read when the kernels are decorated, on import
 pytest.importorskip("triton")
 
 from vllmpy.layers.activation import SiluAndMul  # noqa: E402

@@ -7,13 +7,10 @@ they also run in bf16 and fp16 and on a model-sized shape.
 from __future__ import annotations
 
 import math
-import os
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"  # read when the kernels are decorated, on import
 pytest.importorskip("triton")
 
 from vllmpy.attention.backend import TorchReferenceBackend, write_kv_cache  # noqa: E402

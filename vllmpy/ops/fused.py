@@ -23,8 +23,8 @@ import triton.language as tl
 from vllmpy.layers.activation import silu_and_mul_torch
 from vllmpy.layers.norm import rms_norm_torch
 from vllmpy.layers.rotary import rotary_torch
+from vllmpy.ops.checks import check_float, check_same_device
 
-SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 SILU_BLOCK = 1024  # output columns per SiLU-and-mul program
 
 
@@ -84,13 +84,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     returns ``(rms_norm(s), s)`` for ``s = x + residual`` rounded to x's dtype. Outputs
     are new contiguous tensors; the norm's dtype is that of ``weight * x`` in PyTorch.
     """
-    _check_float("x", x)
-    _check_float("weight", weight)
+    check_float("x", x, "fused kernels")
+    check_float("weight", weight, "fused kernels")
     hidden = x.shape[-1] if x.dim() else 0
     if weight.dim() != 1 or weight.shape[0] != hidden or weight.stride(0) != 1:
         raise ValueError(f"weight must be a contiguous [{hidden}] to match x "
                          f"{tuple(x.shape)}, got {tuple(weight.shape)}")
-    _check_same_device("weight", weight, x)
+    check_same_device("weight", weight, x, "the other inputs")
     x3, inner, sxo, sxi = _rows_view("x", x)
     out = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype),
                       device=x.device)
@@ -100,7 +100,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
         if residual.shape != x.shape or residual.dtype != x.dtype:
             raise ValueError(f"residual must match x ({x.dtype} {tuple(x.shape)}), "
                              f"got {residual.dtype} {tuple(residual.shape)}")
-        _check_same_device("residual", residual, x)
+        check_same_device("residual", residual, x, "the other inputs")
         r3, _, sro, sri = _rows_view("residual", residual)
         total = torch.empty_like(x, memory_format=torch.contiguous_format)
     rows = x.numel() // hidden if hidden else 0
@@ -183,8 +183,8 @@ def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
         if t.dim() != 2 or t.shape[0] != num_tokens or t.shape[1] % head_dim:
             raise ValueError(f"{name} must be [{num_tokens}, num_heads * {head_dim}] to match "
                              f"positions, got {tuple(t.shape)}")
-        _check_float(name, t)
-        _check_same_device(name, t, positions)
+        check_float(name, t, "fused kernels")
+        check_same_device(name, t, positions, "the other inputs")
         if t.stride(1) != 1:
             raise ValueError(f"{name} must be contiguous in its last dimension, "
                              f"got strides {t.stride()}")
@@ -193,7 +193,7 @@ def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
         raise ValueError(f"cos_sin_cache must be a float32 [max_position, {head_dim}] "
                          f"contiguous in its last dimension, got {cos_sin_cache.dtype} "
                          f"{tuple(cos_sin_cache.shape)} strides {cos_sin_cache.stride()}")
-    _check_same_device("cos_sin_cache", cos_sin_cache, positions)
+    check_same_device("cos_sin_cache", cos_sin_cache, positions, "the other inputs")
     q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     num_q_heads, num_k_heads = q.shape[1] // head_dim, k.shape[1] // head_dim
@@ -236,7 +236,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     a new [num_tokens, d] of ``silu(x[:, :d]) * x[:, d:]``."""
     if x.dim() != 2 or x.shape[1] % 2:
         raise ValueError(f"x must be [num_tokens, 2 * d], got {tuple(x.shape)}")
-    _check_float("x", x)
+    check_float("x", x, "fused kernels")
     if x.stride(1) != 1:
         raise ValueError(f"x must be contiguous in its last dimension, got strides {x.stride()}")
     num_tokens, d = x.shape[0], x.shape[1] // 2
@@ -252,16 +252,3 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
     """PyTorch reference for ``silu_and_mul``: the SiluAndMul layer's own math."""
     return silu_and_mul_torch(x)
-
-
-# ---- argument checks -------------------------------------------------------------------
-
-def _check_float(name: str, t: torch.Tensor) -> None:
-    if t.dtype not in SUPPORTED_DTYPES:
-        raise ValueError(f"{name} has dtype {t.dtype}; the fused kernels take "
-                         f"float32, bfloat16 or float16")
-
-
-def _check_same_device(name: str, t: torch.Tensor, ref: torch.Tensor) -> None:
-    if t.device != ref.device:
-        raise ValueError(f"{name} is on {t.device} but the other inputs are on {ref.device}")

@@ -40,7 +40,8 @@ import torch
 import triton
 import triton.language as tl
 
-SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+from vllmpy.ops.checks import check_float, check_same_device
+
 MAX_HEAD_DIM = 256
 # Split-KV gives each program at least this many keys; below it the merge costs more
 # than the parallelism gains.
@@ -87,8 +88,8 @@ def reshape_and_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
         if t.dim() != 3 or tuple(t.shape[1:]) != (num_kv_heads, head_dim):
             raise ValueError(f"{name} must be [num_tokens, {num_kv_heads}, {head_dim}] to match "
                              f"kv_cache {tuple(kv_cache.shape)}, got {tuple(t.shape)}")
-        _check_float(name, t)
-        _check_same_device(name, t, kv_cache)
+        check_float(name, t, "Triton attention kernels")
+        check_same_device(name, t, kv_cache, "kv_cache")
         if t.stride(-1) != 1:
             raise ValueError(f"{name} must be contiguous in its last dimension, "
                              f"got strides {t.stride()}")
@@ -99,7 +100,7 @@ def reshape_and_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                          f"got {tuple(slot_mapping.shape)}")
     if slot_mapping.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"slot_mapping must be int32 or int64, got {slot_mapping.dtype}")
-    _check_same_device("slot_mapping", slot_mapping, kv_cache)
+    check_same_device("slot_mapping", slot_mapping, kv_cache, "kv_cache")
     if k.shape[0] == 0:
         return
     _reshape_and_cache_kernel[(k.shape[0],)](
@@ -386,22 +387,11 @@ def paged_attention_ref(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc
 
 # ---- argument checks -------------------------------------------------------------------
 
-def _check_float(name: str, t: torch.Tensor) -> None:
-    if t.dtype not in SUPPORTED_DTYPES:
-        raise ValueError(f"{name} has dtype {t.dtype}; the Triton attention kernels take "
-                         f"float32, bfloat16 or float16")
-
-
-def _check_same_device(name: str, t: torch.Tensor, ref: torch.Tensor) -> None:
-    if t.device != ref.device:
-        raise ValueError(f"{name} is on {t.device} but kv_cache is on {ref.device}")
-
-
 def _check_cache(kv_cache: torch.Tensor) -> None:
     if kv_cache.dim() != 5 or kv_cache.shape[0] != 2:
         raise ValueError("kv_cache must be [2, num_blocks, block_size, num_kv_heads, head_dim], "
                          f"got {tuple(kv_cache.shape)}")
-    _check_float("kv_cache", kv_cache)
+    check_float("kv_cache", kv_cache, "Triton attention kernels")
     if kv_cache.stride(-1) != 1:
         raise ValueError(f"kv_cache must be contiguous in head_dim, got strides "
                          f"{kv_cache.stride()}")
@@ -424,8 +414,8 @@ def _check_attention_args(q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Te
     if out.shape != q.shape:
         raise ValueError(f"out must have q's shape {tuple(q.shape)}, got {tuple(out.shape)}")
     for name, t in (("q", q), ("out", out)):
-        _check_float(name, t)
-        _check_same_device(name, t, kv_cache)
+        check_float(name, t, "Triton attention kernels")
+        check_same_device(name, t, kv_cache, "kv_cache")
         if t.stride(-1) != 1:
             raise ValueError(f"{name} must be contiguous in head_dim, got strides {t.stride()}")
     num_seqs = seq_lens.shape[0] if seq_lens.dim() == 1 else -1
@@ -435,7 +425,7 @@ def _check_attention_args(q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Te
         if tuple(t.shape) != shape or t.dtype != torch.int32:
             raise ValueError(f"{name} must be int32 of shape {shape} for {num_seqs} "
                              f"requests, got {t.dtype} {tuple(t.shape)}")
-        _check_same_device(name, t, kv_cache)
+        check_same_device(name, t, kv_cache, "kv_cache")
     if block_tables.stride(-1) != 1:
         raise ValueError(f"block_tables must be contiguous in its last dimension, got strides "
                          f"{block_tables.stride()}")
