@@ -23,7 +23,12 @@ from vllmpy.config import EngineArgs
 from vllmpy.engine.async_llm import AsyncLLM
 from vllmpy.entrypoints.openai.cli_args import default_served_model_name, parse_server_args
 from vllmpy.entrypoints.openai.errors import OpenAIError, error_body
-from vllmpy.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+from vllmpy.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ModelCard,
+    ModelList,
+)
 from vllmpy.entrypoints.openai.serving_chat import ChatHandler
 from vllmpy.entrypoints.openai.serving_common import (
     ClientDisconnected,
@@ -126,10 +131,9 @@ def build_app(engine: AsyncLLM, args: argparse.Namespace, served_model_name: str
 
     @app.get("/v1/models")
     async def list_models() -> JSONResponse:
-        return JSONResponse({"object": "list", "data": [{
-            "id": served_model_name, "object": "model", "created": int(START_TIME),
-            "owned_by": "vllmpy", "root": engine.model_config.model, "parent": None,
-            "max_model_len": ctx.max_model_len}]})
+        card = ModelCard(id=served_model_name, created=int(START_TIME),
+                         root=engine.model_config.model, max_model_len=ctx.max_model_len)
+        return JSONResponse(ModelList(data=[card]).model_dump(mode="json"))
 
     @app.get("/health")
     async def health() -> Response:

@@ -6,7 +6,17 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from vllmpy.entrypoints.openai.errors import OpenAIError
-from vllmpy.entrypoints.openai.protocol import ChatCompletionRequest, random_id
+from vllmpy.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatCompletionResponseChoice,
+    ChatCompletionResponseStreamChoice,
+    ChatCompletionStreamResponse,
+    ChatMessage,
+    DeltaMessage,
+    UsageInfo,
+    random_id,
+)
 from vllmpy.entrypoints.openai.serving_common import (
     SSE_DONE,
     ServerContext,
@@ -15,7 +25,7 @@ from vllmpy.entrypoints.openai.serving_common import (
     merged_outputs,
     now,
     sse,
-    usage_dict,
+    usage_info,
     validate_prompt,
 )
 from vllmpy.sampling_params import RequestOutputKind, SamplingParams
@@ -73,17 +83,16 @@ class ChatHandler:
         assert final is not None
         choices = []
         for c in final.outputs:
-            choices.append({"index": c.index,
-                            "message": {"role": "assistant", "content": c.text,
-                                        "tool_calls": []},
-                            "logprobs": None, "finish_reason": c.finish_reason,
-                            "stop_reason": c.stop_reason})
+            choices.append(ChatCompletionResponseChoice(
+                index=c.index, message=ChatMessage(role="assistant", content=c.text),
+                finish_reason=c.finish_reason, stop_reason=c.stop_reason))
             if self.ctx.log_outputs:
                 self.ctx.log(request_id, f"output {c.index}: {c.text!r}")
         completion_tokens = sum(len(c.token_ids) for c in final.outputs)
-        return {"id": request_id, "object": "chat.completion", "created": now(),
-                "model": self.ctx.served_model_name, "choices": choices,
-                "usage": usage_dict(len(ids), completion_tokens, final.num_cached_tokens)}
+        return ChatCompletionResponse(
+            id=request_id, model=self.ctx.served_model_name, choices=choices,
+            usage=usage_info(len(ids), completion_tokens, final.num_cached_tokens),
+        ).model_dump(mode="json")
 
     async def stream(self, req: ChatCompletionRequest, request_id: str, ids: list[int],
                      params: SamplingParams) -> AsyncIterator[str]:
@@ -92,15 +101,16 @@ class ChatHandler:
         generated: dict[int, int] = {}
         cached = 0
 
-        def chunk(choices: list[dict], usage: dict | None = None) -> str:
-            return sse({"id": request_id, "object": "chat.completion.chunk", "created": created,
-                        "model": self.ctx.served_model_name, "choices": choices,
-                        "usage": usage})
+        def chunk(choices: list[ChatCompletionResponseStreamChoice],
+                  usage: UsageInfo | None = None) -> str:
+            return sse(ChatCompletionStreamResponse(
+                id=request_id, created=created, model=self.ctx.served_model_name,
+                choices=choices, usage=usage))
 
         # the first delta of every choice carries the role
-        first = [{"index": i, "delta": {"role": "assistant", "content": ""},
-                  "logprobs": None, "finish_reason": None} for i in range(params.n)]
-        yield chunk(first, usage_dict(len(ids), 0) if continuous else None)
+        first = [ChatCompletionResponseStreamChoice(
+            index=i, delta=DeltaMessage(role="assistant", content="")) for i in range(params.n)]
+        yield chunk(first, usage_info(len(ids), 0) if continuous else None)
         try:
             async for _, out in merged_outputs(self.ctx.engine, [(ids, params, request_id)]):
                 cached = max(cached, out.num_cached_tokens)
@@ -109,15 +119,14 @@ class ChatHandler:
                     generated[c.index] = generated.get(c.index, 0) + len(c.token_ids)
                     if not c.text and c.finish_reason is None:
                         continue
-                    delta = {"content": c.text} if c.text else {}
-                    choices.append({"index": c.index, "delta": delta, "logprobs": None,
-                                    "finish_reason": c.finish_reason,
-                                    "stop_reason": c.stop_reason})
+                    choices.append(ChatCompletionResponseStreamChoice(
+                        index=c.index, delta=DeltaMessage(content=c.text or None),
+                        finish_reason=c.finish_reason, stop_reason=c.stop_reason))
                 if choices:
-                    usage = usage_dict(len(ids), sum(generated.values())) if continuous else None
+                    usage = usage_info(len(ids), sum(generated.values())) if continuous else None
                     yield chunk(choices, usage)
             if include_usage:
-                yield chunk([], usage_dict(len(ids), sum(generated.values()), cached))
+                yield chunk([], usage_info(len(ids), sum(generated.values()), cached))
         except Exception as e:  # noqa: BLE001 - a failed request ends its own stream only
             yield error_frame(e)
         yield SSE_DONE

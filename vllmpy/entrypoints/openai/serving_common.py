@@ -16,6 +16,7 @@ from starlette.requests import Request
 from vllmpy import envs
 from vllmpy.engine.async_llm import AsyncLLM
 from vllmpy.entrypoints.openai.errors import OpenAIError, validation_error_to_openai
+from vllmpy.entrypoints.openai.protocol import PromptTokenUsageInfo, UsageInfo
 from vllmpy.outputs import RequestOutput
 from vllmpy.sampling_params import SamplingParams
 
@@ -153,16 +154,17 @@ async def with_keepalive(frames: AsyncIterator[str]) -> AsyncIterator[str]:
         await it.aclose()  # type: ignore[attr-defined]
 
 
-def usage_dict(prompt_tokens: int, completion_tokens: int, cached: int = 0) -> dict[str, Any]:
-    usage: dict[str, Any] = {"prompt_tokens": prompt_tokens,
-                             "completion_tokens": completion_tokens,
-                             "total_tokens": prompt_tokens + completion_tokens}
-    if cached:
-        usage["prompt_tokens_details"] = {"cached_tokens": cached}
-    return usage
+def usage_info(prompt_tokens: int, completion_tokens: int, cached: int = 0) -> UsageInfo:
+    return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                     total_tokens=prompt_tokens + completion_tokens,
+                     prompt_tokens_details=PromptTokenUsageInfo(cached_tokens=cached)
+                     if cached else None)
 
 
 def sse(data: Any) -> str:
+    """One SSE event; a response model is serialized with its own JSON rules."""
+    if isinstance(data, pydantic.BaseModel):
+        data = data.model_dump(mode="json")
     return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
 
 

@@ -6,7 +6,15 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from vllmpy.entrypoints.openai.errors import OpenAIError
-from vllmpy.entrypoints.openai.protocol import CompletionRequest, random_id
+from vllmpy.entrypoints.openai.protocol import (
+    CompletionRequest,
+    CompletionResponse,
+    CompletionResponseChoice,
+    CompletionResponseStreamChoice,
+    CompletionStreamResponse,
+    UsageInfo,
+    random_id,
+)
 from vllmpy.entrypoints.openai.serving_common import (
     SSE_DONE,
     ServerContext,
@@ -15,7 +23,7 @@ from vllmpy.entrypoints.openai.serving_common import (
     merged_outputs,
     now,
     sse,
-    usage_dict,
+    usage_info,
     validate_prompt,
 )
 from vllmpy.outputs import RequestOutput
@@ -84,14 +92,15 @@ class CompletionHandler:
             for c in out.outputs:
                 completion_tokens += len(c.token_ids)
                 body = (self._echo(text, ids) if req.echo else "") + c.text
-                choices.append({"index": i * params.n + c.index, "text": body, "logprobs": None,
-                                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+                choices.append(CompletionResponseChoice(
+                    index=i * params.n + c.index, text=body, finish_reason=c.finish_reason,
+                    stop_reason=c.stop_reason))
                 if self.ctx.log_outputs:
                     self.ctx.log(request_id, f"output {c.index}: {c.text!r}")
         prompt_tokens = sum(len(ids) for _, ids in prompts)
-        return {"id": request_id, "object": "text_completion", "created": now(),
-                "model": self.ctx.served_model_name, "choices": choices,
-                "usage": usage_dict(prompt_tokens, completion_tokens, cached)}
+        return CompletionResponse(
+            id=request_id, model=self.ctx.served_model_name, choices=choices,
+            usage=usage_info(prompt_tokens, completion_tokens, cached)).model_dump(mode="json")
 
     async def stream(self, req: CompletionRequest, request_id: str, prompts, params: SamplingParams,
                      jobs) -> AsyncIterator[str]:
@@ -102,11 +111,11 @@ class CompletionHandler:
         echoed: set[int] = set()
         cached = 0
 
-        def chunk(choices: list[dict], usage: dict | None = None) -> str:
-            body: dict[str, Any] = {"id": request_id, "object": "text_completion",
-                                    "created": created, "model": self.ctx.served_model_name,
-                                    "choices": choices, "usage": usage}
-            return sse(body)
+        def chunk(choices: list[CompletionResponseStreamChoice],
+                  usage: UsageInfo | None = None) -> str:
+            return sse(CompletionStreamResponse(
+                id=request_id, created=created, model=self.ctx.served_model_name,
+                choices=choices, usage=usage))
 
         try:
             async for i, out in merged_outputs(self.ctx.engine, jobs):
@@ -121,15 +130,15 @@ class CompletionHandler:
                     generated[index] = generated.get(index, 0) + len(c.token_ids)
                     if not text and not c.token_ids and c.finish_reason is None:
                         continue
-                    choices.append({"index": index, "text": text, "logprobs": None,
-                                    "finish_reason": c.finish_reason,
-                                    "stop_reason": c.stop_reason})
+                    choices.append(CompletionResponseStreamChoice(
+                        index=index, text=text, finish_reason=c.finish_reason,
+                        stop_reason=c.stop_reason))
                 if choices:
-                    usage = (usage_dict(prompt_tokens, sum(generated.values()))
+                    usage = (usage_info(prompt_tokens, sum(generated.values()))
                              if continuous else None)
                     yield chunk(choices, usage)
             if include_usage:
-                yield chunk([], usage_dict(prompt_tokens, sum(generated.values()), cached))
+                yield chunk([], usage_info(prompt_tokens, sum(generated.values()), cached))
         except Exception as e:  # noqa: BLE001 - a failed request ends its own stream only
             yield error_frame(e)
         yield SSE_DONE

@@ -10,8 +10,10 @@ from starlette.requests import Request
 from vllmpy.entrypoints.openai.errors import OpenAIError
 from vllmpy.entrypoints.openai.protocol import (
     DetokenizeRequest,
+    DetokenizeResponse,
     TokenizeChatRequest,
     TokenizeCompletionRequest,
+    TokenizeResponse,
 )
 from vllmpy.entrypoints.openai.serving_chat import render_chat_prompt
 from vllmpy.entrypoints.openai.serving_common import ServerContext, check_prompt_bytes, parse_body
@@ -47,11 +49,10 @@ class TokenizationHandler:
             check_prompt_bytes(self.ctx, req.prompt)
             ids = tok.encode(req.prompt, add_special_tokens=req.add_special_tokens)
             return_strs = req.return_token_strs
-        out: dict[str, Any] = {"count": len(ids), "max_model_len": self.ctx.max_model_len,
-                               "tokens": ids, "token_strs": None}
-        if return_strs:
-            out["token_strs"] = tok.convert_ids_to_tokens(ids)
-        return out
+        return TokenizeResponse(
+            count=len(ids), max_model_len=self.ctx.max_model_len, tokens=ids,
+            token_strs=tok.convert_ids_to_tokens(ids) if return_strs else None,
+        ).model_dump(mode="json")
 
     async def detokenize(self, raw: Request) -> dict[str, Any]:
         tok = self._tokenizer()
@@ -61,7 +62,7 @@ class TokenizationHandler:
             text = tok.decode(req.tokens, skip_special_tokens=False)
         except ValueError as e:
             raise OpenAIError(400, str(e), param="tokens") from None
-        return {"prompt": text}
+        return DetokenizeResponse(prompt=text).model_dump(mode="json")
 
     def info(self) -> dict[str, Any]:
         tok = self._tokenizer()
