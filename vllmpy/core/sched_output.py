@@ -31,6 +31,9 @@ class CachedRequestData:
     req_ids: list[str] = field(default_factory=list)
     new_block_ids: list[list[int]] = field(default_factory=list)  # blocks appended this step
     num_computed_tokens: list[int] = field(default_factory=list)
+    # Tokens the scheduler appended to a request's output since its last step without
+    # the runner sampling them (grammar jump-forward); empty lists otherwise.
+    new_token_ids: list[list[int]] = field(default_factory=list)
 
 
 @dataclass
@@ -48,6 +51,32 @@ class SchedulerOutput:
 
 
 @dataclass
+class LogprobsLists:
+    """Logprobs of consecutive positions of one request, as plain lists.
+
+    Row i is one position: ``token_ids[i][0]`` is the token scored there (the sampled
+    token, or the prompt token that followed), then the top alternatives (or the ids the
+    request listed); ``logprobs[i]`` and ``ranks[i]`` line up with it. Ranks are 1-based
+    over the whole vocabulary (tokens whose value is strictly greater, plus one).
+    ``start`` is the position of row 0: the index of a prompt token for prompt logprobs,
+    0 for generated tokens.
+    """
+
+    token_ids: list[list[int]]
+    logprobs: list[list[float]]
+    ranks: list[list[int]]
+    start: int = 0
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    def head(self, n: int) -> LogprobsLists:
+        """The first ``n`` rows."""
+        return LogprobsLists(self.token_ids[:n], self.logprobs[:n], self.ranks[:n],
+                             self.start)
+
+
+@dataclass
 class ModelRunnerOutput:
     """What the runner produced for one step, one entry per scheduled request."""
 
@@ -55,6 +84,12 @@ class ModelRunnerOutput:
     # One list per request: the sampled token(s); empty when the request is still in the
     # middle of its prefill (a chunk that does not reach the end of the known tokens).
     sampled_token_ids: list[list[int]]
+    # Aligned with req_ids: the logprobs of the sampled token(s), None for a request that
+    # did not ask. An empty list when no request of the step asked.
+    logprobs: list[LogprobsLists | None] = field(default_factory=list)
+    # req_id -> logprobs of the prompt tokens this step's chunk scored (only requests
+    # that asked for prompt_logprobs).
+    prompt_logprobs: dict[str, LogprobsLists] = field(default_factory=dict)
 
 
 @dataclass
@@ -71,6 +106,11 @@ class EngineCoreOutput:
     first_scheduled_time: float | None = None
     # Why the engine failed the request (finish_reason "error"); None otherwise.
     error: str | None = None
+    # One row per new token, for a request that asked for logprobs.
+    new_logprobs: LogprobsLists | None = None
+    # Prompt logprobs scored by this step's prefill chunk (an output may carry them
+    # before the request has a token), for a request that asked for prompt_logprobs.
+    new_prompt_logprobs: LogprobsLists | None = None
 
     @property
     def finished(self) -> bool:
@@ -86,6 +126,10 @@ class SchedulerStats:
     kv_cache_usage: float = 0.0  # fraction of the KV pool in use, in [0, 1]
     num_preemptions_total: int = 0  # since start-up
     num_scheduled_tokens: int = 0  # tokens computed by this step (0 for a stats-only update)
+    # Prefix-cache lookups since start-up, in tokens: tokens of newly admitted requests,
+    # and how many of them were served from the cache.
+    prefix_cache_queries_total: int = 0
+    prefix_cache_hits_total: int = 0
 
 
 @dataclass

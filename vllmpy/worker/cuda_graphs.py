@@ -82,20 +82,22 @@ class DecodeGraphs:
             self.outputs[size] = out
         torch.cuda.synchronize()
 
-    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    def run(self, n: int, input_ids: torch.Tensor, positions: torch.Tensor,
+            slot_mapping: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor
             ) -> torch.Tensor:
-        """Replay for a decode step of ``n = len(input_ids)`` requests; returns [n, hidden]."""
-        n = input_ids.shape[0]
+        """Replay for a decode step of ``n`` requests; returns [n, hidden]. The inputs may
+        be pinned host tensors (copied without blocking) or device tensors."""
         size = next(s for s in self.sizes if s >= n)
         self.input_ids[:n].copy_(input_ids, non_blocking=True)
         self.positions[:n].copy_(positions, non_blocking=True)
-        self.slot_mapping[:n].copy_(meta.slot_mapping[:n], non_blocking=True)
-        self.slot_mapping[n:size].fill_(-1)
-        self.seq_lens[:n].copy_(meta.seq_lens, non_blocking=True)
-        self.seq_lens[n:size].zero_()
-        self.query_start_loc[:size + 1].copy_(self.arange[:size + 1])
-        self.query_start_loc[n + 1:size + 1].fill_(n)
-        width = meta.block_tables.shape[1]
-        self.block_tables[:n, :width].copy_(meta.block_tables, non_blocking=True)
+        self.slot_mapping[:n].copy_(slot_mapping, non_blocking=True)
+        self.seq_lens[:n].copy_(seq_lens, non_blocking=True)
+        if size > n:
+            self.slot_mapping[n:size].fill_(-1)
+            self.seq_lens[n:size].zero_()
+            self.query_start_loc[n + 1:size + 1].fill_(n)
+        self.query_start_loc[:n + 1].copy_(self.arange[:n + 1])
+        width = block_tables.shape[1]
+        self.block_tables[:n, :width].copy_(block_tables, non_blocking=True)
         self.graphs[size].replay()
         return self.outputs[size][:n]

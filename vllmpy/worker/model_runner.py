@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -19,6 +20,7 @@ from vllmpy.models.registry import resolve_model_class
 from vllmpy.sample.metadata import SamplingMetadata
 from vllmpy.sample.sampler import Sampler
 from vllmpy.sampling_params import SamplingParams
+from vllmpy.worker.input_batch import InputBatch, StepInputs
 
 if TYPE_CHECKING:
     from vllmpy.worker.cuda_graphs import DecodeGraphs
@@ -39,12 +41,6 @@ class CachedRequestState:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
-
-    def token_slice(self, start: int, end: int) -> list[int]:
-        n_prompt = len(self.prompt_token_ids)
-        if end <= n_prompt:
-            return self.prompt_token_ids[start:end]
-        return (self.prompt_token_ids + self.output_token_ids)[start:end]
 
 
 class ModelRunner:
@@ -67,6 +63,12 @@ class ModelRunner:
         self._load_stats = LoadStats()
         # CUDA graphs of the decode forward, once captured (CUDA without enforce_eager)
         self.decode_graphs: DecodeGraphs | None = None
+        self.input_batch = InputBatch(config.scheduler.max_num_seqs,
+                                      config.model.max_model_len, self.block_size)
+        self._pinned: dict[str, torch.Tensor] = {}  # staging buffers for host -> device
+        self._staged: torch.cuda.Event | None = None  # when the last copies were queued
+        # (sampled request ids, metadata) of the last step, while reusable
+        self._md_cache: tuple[tuple[str, ...], SamplingMetadata] | None = None
 
     # ---- start-up -------------------------------------------------------------------
 
@@ -113,6 +115,9 @@ class ModelRunner:
         self._load_stats.report()
         for layer, kv in zip(layers, self.kv_caches):
             layer.kv_cache = kv
+        from vllmpy.layers.attention import report_kv_scales
+
+        report_kv_scales(layers, cache.kv_cache_dtype)  # fp8 without checkpoint scales
         if self.device.type == "cuda":
             from vllmpy.attention.triton_backend import TritonAttentionBackend
 
@@ -135,16 +140,30 @@ class ModelRunner:
     # ---- one step -------------------------------------------------------------------
 
     def _update_states(self, out: SchedulerOutput) -> None:
+        batch = self.input_batch
         for req_id in out.finished_req_ids:
             self.requests.pop(req_id, None)
+            batch.remove(req_id)
         for new in out.scheduled_new_reqs:
-            self.requests[new.req_id] = self._new_state(new)
+            state = self._new_state(new)
+            self.requests[new.req_id] = state
+            batch.remove(new.req_id)  # a preempted request may come back before it left
+            batch.add(new.req_id, state.prompt_token_ids + state.output_token_ids,
+                      state.block_ids, new.num_computed_tokens)
         cached = out.scheduled_cached_reqs
-        for req_id, new_blocks, computed in zip(cached.req_ids, cached.new_block_ids,
-                                                cached.num_computed_tokens):
+        appended = cached.new_token_ids or [[]] * len(cached.req_ids)
+        for req_id, new_blocks, computed, tokens in zip(
+                cached.req_ids, cached.new_block_ids, cached.num_computed_tokens, appended):
             state = self.requests[req_id]
-            state.block_ids.extend(new_blocks)
+            row = batch.index[req_id]
+            if new_blocks:
+                state.block_ids.extend(new_blocks)
+                batch.append_blocks(row, new_blocks)
+            if tokens:  # appended by the scheduler (jump-forward), not sampled here
+                state.output_token_ids.extend(tokens)
+                batch.append_tokens(row, tokens)
             state.num_computed_tokens = computed
+            batch.num_computed[row] = computed
 
     def _new_state(self, new: NewRequestData) -> CachedRequestState:
         return CachedRequestState(
@@ -157,50 +176,49 @@ class ModelRunner:
             eos_token_ids=self.eos_token_ids,
         )
 
+    def _stage(self, name: str, array: np.ndarray) -> torch.Tensor:
+        """``array`` as a host tensor the device can copy from without blocking: a view of
+        a pinned buffer on CUDA, the array itself on the CPU."""
+        if self.device.type != "cuda":
+            return torch.from_numpy(np.ascontiguousarray(array))
+        flat = array.reshape(-1)
+        buf = self._pinned.get(name)
+        if buf is None or buf.numel() < flat.size:
+            buf = torch.empty(max(flat.size, 1024), dtype=_TORCH_DTYPES[array.dtype.type],
+                              pin_memory=True)
+            self._pinned[name] = buf
+        view = buf[:flat.size]
+        view.numpy()[:] = flat
+        return view.view(array.shape)
+
     def _prepare_inputs(self, req_ids: list[str], out: SchedulerOutput):
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        query_start = [0]
-        seq_lens: list[int] = []
-        sample_rows: list[int] = []  # index into req_ids of requests that sample
-        logits_indices: list[int] = []
-        bs = self.block_size
-        for i, req_id in enumerate(req_ids):
-            state = self.requests[req_id]
-            n = out.num_scheduled_tokens[req_id]
-            start, end = state.num_computed_tokens, state.num_computed_tokens + n
-            input_ids.extend(state.token_slice(start, end))
-            positions.extend(range(start, end))
-            blocks = state.block_ids
-            slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, end))
-            query_start.append(query_start[-1] + n)
-            seq_lens.append(end)
-            if end >= state.num_tokens:  # this chunk reaches the last known token
-                sample_rows.append(i)
-                logits_indices.append(query_start[-1] - 1)
-        max_blocks = max(len(self.requests[r].block_ids) for r in req_ids)
-        table = torch.zeros((len(req_ids), max_blocks), dtype=torch.int32)
-        for i, req_id in enumerate(req_ids):
-            blocks = self.requests[req_id].block_ids
-            table[i, :len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+        step = self.input_batch.prepare(req_ids,
+                                        [out.num_scheduled_tokens[r] for r in req_ids])
+        if self._staged is not None:
+            # The pinned buffers are about to be rewritten: the previous step's copies
+            # out of them must have run.
+            self._staged.synchronize()
+        host = {name: self._stage(name, getattr(step, name))
+                for name in ("input_ids", "positions", "slot_mapping", "query_start_loc",
+                             "seq_lens", "block_tables", "logits_indices")}
+        return step, host
+
+    def _device_inputs(self, step: StepInputs, host: dict[str, torch.Tensor]):
         dev = self.device
+        d = {name: t.to(dev, non_blocking=True) for name, t in host.items()}
         meta = AttentionMetadata(
-            num_actual_tokens=len(input_ids),
-            query_start_loc=torch.tensor(query_start, dtype=torch.int32, device=dev),
-            query_start_loc_cpu=query_start,
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            seq_lens_cpu=seq_lens,
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-            block_tables=table.to(dev),
-            block_size=bs,
-            max_query_len=max(b - a for a, b in zip(query_start, query_start[1:])),
-            max_seq_len=max(seq_lens),
+            num_actual_tokens=step.num_tokens,
+            query_start_loc=d["query_start_loc"],
+            query_start_loc_cpu=step.query_start_loc.tolist(),
+            seq_lens=d["seq_lens"],
+            seq_lens_cpu=step.seq_lens.tolist(),
+            slot_mapping=d["slot_mapping"],
+            block_tables=d["block_tables"],
+            block_size=self.block_size,
+            max_query_len=step.max_query_len,
+            max_seq_len=step.max_seq_len,
         )
-        ids = torch.tensor(input_ids, dtype=torch.int64, device=dev)
-        pos = torch.tensor(positions, dtype=torch.int64, device=dev)
-        idx = torch.tensor(logits_indices, dtype=torch.int64, device=dev)
-        return ids, pos, meta, sample_rows, idx
+        return d["input_ids"], d["positions"], meta, d["logits_indices"]
 
     def _generator(self, state: CachedRequestState) -> torch.Generator | None:
         """A seeded request draws from a generator keyed on (seed, output position), so its
@@ -212,6 +230,28 @@ class ModelRunner:
         gen.manual_seed((seed * 1_000_003 + len(state.output_token_ids)) % (2**63))
         return gen
 
+    def _sampling_metadata(self, sampled_ids: tuple[str, ...],
+                           states: list[CachedRequestState]) -> SamplingMetadata:
+        """Build the step's sampling metadata, or reuse the last step's when the same
+        requests sample and nothing in it depends on the tokens generated so far."""
+        cached = self._md_cache
+        if cached is not None and cached[0] == sampled_ids:
+            return cached[1]
+        md = SamplingMetadata.build(
+            params=[s.sampling_params for s in states],
+            prompt_token_ids=[s.prompt_token_ids for s in states],
+            output_token_ids=[s.output_token_ids for s in states],
+            generators=[self._generator(s) for s in states],
+            eos_token_ids=[s.eos_token_ids for s in states],
+            vocab_size=self.vocab_size,
+            device=self.device,
+        )
+        # Penalties read the outputs, seeded rows a per-position generator, min_tokens
+        # the output count (once no row is under it, none ever is again).
+        reusable = md.no_penalties and not md.generators and md.no_min_tokens
+        self._md_cache = (sampled_ids, md) if reusable else None
+        return md
+
     @torch.inference_mode()
     def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
         assert self.model is not None
@@ -219,30 +259,37 @@ class ModelRunner:
         req_ids = list(out.num_scheduled_tokens)
         if not req_ids:
             return ModelRunnerOutput([], [])
-        ids, pos, meta, sample_rows, logits_idx = self._prepare_inputs(req_ids, out)
+        step, host = self._prepare_inputs(req_ids, out)
         graphs = self.decode_graphs
-        if (graphs is not None and meta.max_query_len == 1
-                and len(req_ids) <= graphs.max_size):
-            hidden = graphs.run(ids, pos, meta)  # a pure decode step: replay
+        n = len(req_ids)
+        if graphs is not None and step.max_query_len == 1 and n <= graphs.max_size:
+            # A pure decode step: the graph reads its inputs straight from the host.
+            hidden = graphs.run(n, host["input_ids"], host["positions"],
+                                host["slot_mapping"], host["seq_lens"], host["block_tables"])
+            logits_idx = None  # every request samples
         else:
+            ids, pos, meta, logits_idx = self._device_inputs(step, host)
             hidden = self.model(ids, pos, meta)  # [num_tokens, hidden_size]
+            if len(step.sample_rows) == step.num_tokens:
+                logits_idx = None
+        if self.device.type == "cuda":
+            self._staged = torch.cuda.Event()
+            self._staged.record()
         sampled: list[list[int]] = [[] for _ in req_ids]
-        if sample_rows:
-            logits = self.model.compute_logits(hidden[logits_idx])  # [num_sampled, vocab]
-            states = [self.requests[req_ids[i]] for i in sample_rows]
-            metadata = SamplingMetadata.build(
-                params=[s.sampling_params for s in states],
-                prompt_token_ids=[s.prompt_token_ids for s in states],
-                output_token_ids=[s.output_token_ids for s in states],
-                generators=[self._generator(s) for s in states],
-                eos_token_ids=[s.eos_token_ids for s in states],
-                vocab_size=self.vocab_size,
-                device=self.device,
-            )
-            token_ids = self.sampler(logits, metadata).tolist()
-            for row, state, tok in zip(sample_rows, states, token_ids):
+        if step.sample_rows:
+            if logits_idx is not None:
+                hidden = hidden[logits_idx]
+            logits = self.model.compute_logits(hidden)  # [num_sampled, vocab]
+            states = [self.requests[req_ids[i]] for i in step.sample_rows]
+            metadata = self._sampling_metadata(
+                tuple(req_ids[i] for i in step.sample_rows), states)
+            token_ids = self.sampler(logits, metadata).tolist()  # the step's one sync
+            batch = self.input_batch
+            for row, state, tok in zip(step.sample_rows, states, token_ids):
                 state.output_token_ids.append(tok)
+                batch.append_tokens(batch.index[state.req_id], [tok])
                 sampled[row] = [tok]
         return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled)
 
 
+_TORCH_DTYPES = {np.int64: torch.int64, np.int32: torch.int32}
