@@ -15,6 +15,8 @@ from vllmpy.layers.activation import SiluAndMul  # noqa: E402
 from vllmpy.layers.norm import RMSNorm  # noqa: E402
 from vllmpy.layers.rotary import RotaryEmbedding  # noqa: E402
 from vllmpy.ops.fused import (  # noqa: E402
+    qk_norm_rotary,
+    qk_norm_rotary_ref,
     rms_norm,
     rms_norm_ref,
     rotary_embedding,
@@ -123,6 +125,31 @@ def test_rotary_launcher_names_bad_arguments():
         rotary_embedding(positions, q, k, cache.half(), 8)
     with pytest.raises(ValueError, match="head_dim must be"):
         rotary_embedding(positions, q, k, cache, 7)
+
+
+# ---- qk_norm_rotary ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads,kv_heads,dim,packed", [
+    (4, 2, 16, True), (3, 3, 8, False), (2, 1, 12, True)])
+def test_qk_norm_rotary_matches_norms_then_rotary(dtype, heads, kv_heads, dim, packed):
+    positions, q, k, cache = make_rotary_inputs(5, heads, kv_heads, dim, dtype, packed)
+    qw, kw = randn(dim, dtype=dtype, seed=3), randn(dim, dtype=dtype, seed=4)
+    q_out, k_out = qk_norm_rotary(positions, q, k, qw, kw, 1e-6, cache, dim)
+    q_ref, k_ref = qk_norm_rotary_ref(positions, q, k, qw, kw, 1e-6, cache, dim)
+    assert_close(q_out, q_ref, dtype)
+    assert_close(k_out, k_ref, dtype)
+
+
+def test_qk_norm_rotary_names_bad_arguments():
+    positions, q, k, cache = make_rotary_inputs(3, 2, 1, 8, torch.float32)
+    w = randn(8)
+    with pytest.raises(ValueError, match="q_weight must be"):
+        qk_norm_rotary(positions, q, k, randn(6), w, 1e-6, cache, 8)
+    with pytest.raises(ValueError, match="k_weight must be"):
+        qk_norm_rotary(positions, q, k, w, w.double(), 1e-6, cache, 8)
+    with pytest.raises(ValueError, match="k must be"):
+        qk_norm_rotary(positions, q, k[:2], w, w, 1e-6, cache, 8)
 
 
 # ---- silu_and_mul ------------------------------------------------------------------------

@@ -162,17 +162,8 @@ def _rotary_kernel(
                   cos, sin, num_k_heads, HEAD_DIM, HALF_PAD, HEADS_PAD)
 
 
-def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
-                     cos_sin_cache: torch.Tensor, head_dim: int
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotate-half rotary embedding, out of place.
-
-    positions: [num_tokens] int32/int64, each below ``max_position`` (not checked: that
-    would need a device sync); q: [num_tokens, num_heads * head_dim]; k: [num_tokens,
-    num_kv_heads * head_dim] (each contiguous in its last dimension; a row stride, as of a
-    slice of a packed qkv, is fine); cos_sin_cache: [max_position, head_dim] float32, cos
-    in the first half, sin in the second. Returns new contiguous (q, k) of the same shapes.
-    """
+def _check_rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                  cos_sin_cache: torch.Tensor, head_dim: int) -> None:
     if head_dim <= 0 or head_dim % 2:
         raise ValueError(f"head_dim must be positive and even, got {head_dim}")
     if positions.dim() != 1 or positions.dtype not in (torch.int32, torch.int64):
@@ -194,6 +185,21 @@ def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                          f"contiguous in its last dimension, got {cos_sin_cache.dtype} "
                          f"{tuple(cos_sin_cache.shape)} strides {cos_sin_cache.stride()}")
     check_same_device("cos_sin_cache", cos_sin_cache, positions, "the other inputs")
+
+
+def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                     cos_sin_cache: torch.Tensor, head_dim: int
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate-half rotary embedding, out of place.
+
+    positions: [num_tokens] int32/int64, each below ``max_position`` (not checked: that
+    would need a device sync); q: [num_tokens, num_heads * head_dim]; k: [num_tokens,
+    num_kv_heads * head_dim] (each contiguous in its last dimension; a row stride, as of a
+    slice of a packed qkv, is fine); cos_sin_cache: [max_position, head_dim] float32, cos
+    in the first half, sin in the second. Returns new contiguous (q, k) of the same shapes.
+    """
+    _check_rotary(positions, q, k, cos_sin_cache, head_dim)
+    num_tokens = positions.shape[0]
     q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     num_q_heads, num_k_heads = q.shape[1] // head_dim, k.shape[1] // head_dim
@@ -215,6 +221,92 @@ def rotary_embedding_ref(positions: torch.Tensor, q: torch.Tensor, k: torch.Tens
                          ) -> tuple[torch.Tensor, torch.Tensor]:
     """PyTorch reference for ``rotary_embedding``: the RotaryEmbedding layer's own math."""
     return rotary_torch(positions, q, k, cos_sin_cache, head_dim)
+
+
+# ---- qk_norm_rotary --------------------------------------------------------------------
+
+@triton.jit
+def _norm_rotate_heads(src, dst, w_ptr, cos, sin, num_heads, eps,
+                       HEAD_DIM: tl.constexpr, HALF_PAD: tl.constexpr,
+                       HEADS_PAD: tl.constexpr):
+    # As _rotate_heads, after an RMSNorm over each head rounded as rms_norm rounds it.
+    heads = tl.arange(0, HEADS_PAD)[:, None]
+    dims = tl.arange(0, HALF_PAD)[None, :]
+    mask = (heads < num_heads) & (dims < HEAD_DIM // 2)
+    first = heads * HEAD_DIM + dims
+    second = first + HEAD_DIM // 2
+    x1 = tl.load(src + first, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(src + second, mask=mask, other=0.0).to(tl.float32)
+    var = (tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / HEAD_DIM  # [HEADS_PAD]
+    inv = tl.math.rsqrt(var + eps)[:, None]
+    dim_ok = dims < HEAD_DIM // 2
+    w1 = tl.load(w_ptr + dims, mask=dim_ok, other=0.0).to(tl.float32)
+    w2 = tl.load(w_ptr + HEAD_DIM // 2 + dims, mask=dim_ok, other=0.0).to(tl.float32)
+    ty = dst.dtype.element_ty
+    x1 = (w1 * (x1 * inv).to(ty).to(tl.float32)).to(ty).to(tl.float32)
+    x2 = (w2 * (x2 * inv).to(ty).to(tl.float32)).to(ty).to(tl.float32)
+    tl.store(dst + first, (x1 * cos - x2 * sin).to(ty), mask=mask)
+    tl.store(dst + second, (x2 * cos + x1 * sin).to(ty), mask=mask)
+
+
+@triton.jit
+def _qk_norm_rotary_kernel(
+    pos_ptr, q_ptr, k_ptr, qw_ptr, kw_ptr, cache_ptr, q_out_ptr, k_out_ptr,
+    stride_q, stride_k, stride_cache, num_q_heads, num_k_heads, eps,
+    HEAD_DIM: tl.constexpr, HALF_PAD: tl.constexpr, HEADS_PAD: tl.constexpr,
+):
+    tok = tl.program_id(0).to(tl.int64)
+    pos = tl.load(pos_ptr + tok).to(tl.int64)
+    dims = tl.arange(0, HALF_PAD)
+    dim_ok = dims < HEAD_DIM // 2
+    row = cache_ptr + pos * stride_cache
+    cos = tl.load(row + dims, mask=dim_ok, other=0.0)[None, :]
+    sin = tl.load(row + HEAD_DIM // 2 + dims, mask=dim_ok, other=0.0)[None, :]
+    _norm_rotate_heads(q_ptr + tok * stride_q, q_out_ptr + tok * num_q_heads * HEAD_DIM,
+                       qw_ptr, cos, sin, num_q_heads, eps, HEAD_DIM, HALF_PAD, HEADS_PAD)
+    _norm_rotate_heads(k_ptr + tok * stride_k, k_out_ptr + tok * num_k_heads * HEAD_DIM,
+                       kw_ptr, cos, sin, num_k_heads, eps, HEAD_DIM, HALF_PAD, HEADS_PAD)
+
+
+def qk_norm_rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                   q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float,
+                   cos_sin_cache: torch.Tensor, head_dim: int
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Qwen3's per-head RMSNorm of q and k followed by rotary, in one launch: the same
+    values as ``rms_norm`` on each head and then ``rotary_embedding``. Arguments as
+    ``rotary_embedding``, plus the [head_dim] norm weights (of q's dtype) and eps."""
+    for name, w in (("q_weight", q_weight), ("k_weight", k_weight)):
+        if w.shape != (head_dim,) or w.stride(0) != 1 or w.dtype != q.dtype:
+            raise ValueError(f"{name} must be a contiguous [{head_dim}] of {q.dtype}, got "
+                             f"{w.dtype} {tuple(w.shape)}")
+        check_same_device(name, w, q, "q")
+    _check_rotary(positions, q, k, cos_sin_cache, head_dim)
+    num_tokens = positions.shape[0]
+    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    if num_tokens == 0:
+        return q_out, k_out
+    num_q_heads, num_k_heads = q.shape[1] // head_dim, k.shape[1] // head_dim
+    heads_pad = triton.next_power_of_2(max(num_q_heads, num_k_heads, 1))
+    half_pad = triton.next_power_of_2(head_dim // 2)
+    _qk_norm_rotary_kernel[(num_tokens,)](
+        positions, q, k, q_weight, k_weight, cos_sin_cache, q_out, k_out,
+        q.stride(0), k.stride(0), cos_sin_cache.stride(0), num_q_heads, num_k_heads, eps,
+        HEAD_DIM=head_dim, HALF_PAD=half_pad, HEADS_PAD=heads_pad,
+        num_warps=max(1, min(8, heads_pad * half_pad // 256)),
+    )
+    return q_out, k_out
+
+
+def qk_norm_rotary_ref(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                       q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float,
+                       cos_sin_cache: torch.Tensor, head_dim: int
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """PyTorch reference for ``qk_norm_rotary``: the layers' own math, one after another."""
+    n = positions.shape[0]
+    qn = rms_norm_torch(q.reshape(n, -1, head_dim), q_weight, eps).reshape(n, -1)
+    kn = rms_norm_torch(k.reshape(n, -1, head_dim), k_weight, eps).reshape(n, -1)
+    return rotary_torch(positions, qn, kn, cos_sin_cache, head_dim)
 
 
 # ---- silu_and_mul ----------------------------------------------------------------------
