@@ -149,6 +149,9 @@ def sweep_configs(b: dict, batch: int, context: int) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sweep", action="store_true", help="also time split counts and shapes")
+    parser.add_argument("--cases", default="1x4096,64x1024,1x32768",
+                        help="decode batches as BATCHxCONTEXT, comma-separated")
+    parser.add_argument("--fp8", action="store_true", help="also time an fp8 (e4m3) cache")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("this benchmark needs a CUDA device")
@@ -156,8 +159,15 @@ def main() -> None:
     torch.manual_seed(0)
     print(f"{torch.cuda.get_device_name(device)}, torch {torch.__version__}, "
           f"triton {triton.__version__}")
-    for batch, context in ((1, 4096), (64, 1024), (1, 32768)):
+    for case in args.cases.split(","):
+        batch, context = (int(x) for x in case.split("x"))
         b = headline(batch, context, device)
+        if args.fp8:
+            fp8 = {**b, "kv_cache": b["kv_cache"].to(torch.float8_e4m3fn)}
+            report("triton fp8 cache (CUDA graph replay)", time_graph(fp8, context),
+                   kv_bytes(batch, context) // 2)
+            if args.sweep:
+                sweep_splits(fp8, batch, context)
         if args.sweep:
             sweep_splits(b, batch, context)
             if context <= 4096:

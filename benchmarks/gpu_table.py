@@ -21,16 +21,17 @@ CONFIGS = {"qwen3-0.6b": os.path.join(HERE, "configs", "qwen3-0.6b"),
 
 # row -> (model, vllm-bench arguments)
 ROWS = {
-    "P2": ("qwen3-0.6b", ["--num-prompts", "1", "--input-len", "512", "--output-len", "256",
-                          "--num-blocks", "512"]),
-    "P1": ("qwen3-8b", ["--num-prompts", "1", "--input-len", "512", "--output-len", "256",
-                        "--num-blocks", "512"]),
-    "P3": ("qwen3-0.6b", ["--num-prompts", "256", "--input-len", "100:1024",
+    "P2": ("qwen3-0.6b", ["--warmup", "1", "--num-prompts", "1", "--input-len", "512",
+                          "--output-len", "256", "--num-blocks", "512"]),
+    "P1": ("qwen3-8b", ["--warmup", "1", "--num-prompts", "1", "--input-len", "512",
+                        "--output-len", "256", "--num-blocks", "512"]),
+    # warm-up requests compile the Triton kernel variants a mixed batch needs before timing
+    "P3": ("qwen3-0.6b", ["--warmup", "32", "--num-prompts", "256", "--input-len", "100:1024",
                           "--output-len", "100:1024", "--max-num-seqs", "256",
                           "--max-num-batched-tokens", "8192", "--num-blocks", "16384"]),
-    "P4": ("qwen3-8b", ["--num-prompts", "1000", "--input-len", "1024", "--output-len", "512",
-                        "--max-num-seqs", "256", "--max-num-batched-tokens", "8192",
-                        "--num-blocks", "12288"]),
+    "P4": ("qwen3-8b", ["--warmup", "32", "--num-prompts", "1000", "--input-len", "1024",
+                        "--output-len", "512", "--max-num-seqs", "256",
+                        "--max-num-batched-tokens", "8192", "--num-blocks", "12288"]),
 }
 
 

@@ -47,7 +47,7 @@ def main() -> None:
         x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
         out = torch.empty(m, n, device=dev, dtype=torch.bfloat16)
         ref = torch.nn.functional.linear(x, w)
-        cublas = gpu_us(lambda: torch.nn.functional.linear(x, w))
+        cublas = gpu_us(lambda x=x, w=w: torch.nn.functional.linear(x, w))
         best, best_cfg = float("inf"), None
         for bn, bk, nw, ns in configs:
             try:
@@ -56,7 +56,7 @@ def main() -> None:
                 if not torch.allclose(out.float(), ref.float(), atol=0.1, rtol=0.02):
                     print(f"  mismatch {name} M={m} {bn, bk, nw, ns}")
                     continue
-                t = gpu_us(lambda: _launch(x, w, None, out, bn, bk, nw, ns))
+                t = gpu_us(lambda c=(x, w, None, out, bn, bk, nw, ns): _launch(*c))
             except Exception as exc:  # a configuration the compiler rejects
                 print(f"  failed {bn, bk, nw, ns}: {type(exc).__name__}")
                 continue

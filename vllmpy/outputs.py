@@ -1,4 +1,4 @@
-"""What the library hands back: vLLM's RequestOutput and CompletionOutput."""
+"""What the library hands back: vLLM's RequestOutput, CompletionOutput and Logprob."""
 
 from __future__ import annotations
 
@@ -6,14 +6,40 @@ from dataclasses import dataclass, field
 
 
 @dataclass
+class Logprob:
+    """The log-probability of one token at one position (vLLM's ``Logprob``).
+
+    ``logprob`` is in the request's logprobs_mode (a logit under the ``*_logits`` modes);
+    ``rank`` is 1-based over the whole vocabulary (tokens with a strictly greater value,
+    plus one); ``decoded_token`` is the token's text alone, None without a tokenizer.
+    """
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# One dict per generated token: token id -> Logprob; the sampled token comes first, then
+# the top alternatives (or the ids the request listed) by rank.
+SampleLogprobs = list[dict[int, Logprob]]
+# One entry per prompt token: None for the first (nothing precedes it), then dicts as above
+# with the prompt token first.
+PromptLogprobs = list[dict[int, Logprob] | None]
+
+
+@dataclass
 class CompletionOutput:
-    """One completion of a prompt (there are ``n`` per request)."""
+    """One completion of a prompt (there are ``n`` per request).
+
+    ``logprobs`` and ``cumulative_logprob`` (the sum of the sampled tokens' values) are
+    None unless the request asked for logprobs.
+    """
 
     index: int
     text: str
     token_ids: list[int]
     cumulative_logprob: float | None = None
-    logprobs: list | None = None
+    logprobs: SampleLogprobs | None = None
     finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
     stop_reason: int | str | None = None  # the stop string or stop token id that ended it
 
@@ -67,5 +93,5 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
     num_cached_tokens: int = 0
-    prompt_logprobs: list | None = None
+    prompt_logprobs: PromptLogprobs | None = None  # when the request asked for them
     metrics: RequestMetrics | None = None  # filled by AsyncLLM and LLM

@@ -5,7 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import IntEnum
 
+from vllmpy.structured_output.params import StructuredOutputsParams
+
 _SAMPLING_EPS = 1e-5
+# The values SamplingParams.logprobs_mode takes (vLLM's names).
+LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
+MAX_LOGPROB_TOKEN_IDS = 128  # the most ids SamplingParams.logprob_token_ids may list
 
 
 class RequestOutputKind(IntEnum):
@@ -37,18 +42,38 @@ class SamplingParams:
     ignore_eos: bool = False  # keep generating past end-of-sequence tokens
     max_tokens: int | None = 16  # most tokens to generate
     min_tokens: int = 0  # stop ids and EOS are masked until this many tokens exist
-    logprobs: int | None = None  # later: number of log-probabilities per output token
-    prompt_logprobs: int | None = None  # later: log-probabilities per prompt token
+    # Log-probabilities of each generated token plus this many most likely alternatives
+    # (None: none; -1: the whole vocabulary). CompletionOutput.logprobs carries them.
+    logprobs: int | None = None
+    # The same for every prompt token after the first (RequestOutput.prompt_logprobs).
+    prompt_logprobs: int | None = None
+    # At most MAX_LOGPROB_TOKEN_IDS ids whose logprobs each generated position reports in
+    # place of the top alternatives (the sampled token is reported too, ranked over the
+    # whole vocabulary). Setting logprobs as well is allowed only when it equals their count.
+    logprob_token_ids: list[int] | None = None
+    # What the reported values are (vLLM's modes): "raw_logprobs" / "raw_logits" come from
+    # the model's logits before any processing; "processed_logprobs" / "processed_logits"
+    # from the distribution actually sampled (after logit bias, penalties, temperature,
+    # min-p, top-k and top-p). Prompt logprobs are always raw log-probabilities.
+    logprobs_mode: str = "raw_logprobs"
     detokenize: bool = True
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     logit_bias: dict[int, float] | None = None  # added to the logits of those token ids
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    # Constrain the output to a JSON schema, regex, choice list or grammar (a dict of the
+    # same fields is accepted and converted).
+    structured_outputs: StructuredOutputsParams | None = None
     # Filled by the engine: the stop strings as a list (never None after __post_init__).
     _stop_list: list[str] = field(default_factory=list, init=False, repr=False)
 
     def __post_init__(self) -> None:
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+        elif not isinstance(self.structured_outputs, (StructuredOutputsParams, type(None))):
+            raise ValueError(f"structured_outputs must be a StructuredOutputsParams, got "
+                             f"{type(self.structured_outputs).__name__}")
         if isinstance(self.stop, str):
             self._stop_list = [self.stop]
         elif self.stop is None:
@@ -106,10 +131,32 @@ class SamplingParams:
         assert self.stop_token_ids is not None
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "a list of non-negative integers")
-        if self.logprobs is not None:
-            raise ValueError("logprobs is not supported yet")
-        if self.prompt_logprobs is not None:
-            raise ValueError("prompt_logprobs is not supported yet")
+        self._verify_logprobs()
+
+    def _verify_logprobs(self) -> None:
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                      or value < -1):
+                raise ValueError(f"{name} must be an integer >= 0, or -1 for the whole "
+                                 f"vocabulary, got {value!r}")
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(f"logprobs_mode must be one of {', '.join(LOGPROBS_MODES)}, "
+                             f"got {self.logprobs_mode!r}")
+        ids = self.logprob_token_ids
+        if ids is None:
+            return
+        if (not isinstance(ids, list) or not ids
+                or any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in ids)):
+            raise ValueError(f"logprob_token_ids must be a non-empty list of token ids >= 0, "
+                             f"got {ids!r}")
+        if len(ids) > MAX_LOGPROB_TOKEN_IDS:
+            raise ValueError(f"logprob_token_ids has {len(ids)} ids; at most "
+                             f"{MAX_LOGPROB_TOKEN_IDS} are allowed")
+        if self.logprobs is not None and self.logprobs != len(ids):
+            raise ValueError(f"logprobs ({self.logprobs}) must be unset or equal to the number "
+                             f"of logprob_token_ids ({len(ids)}): the listed ids replace the "
+                             f"top alternatives")
 
     def clone(self) -> SamplingParams:
         import copy

@@ -3,126 +3,21 @@
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
 
 import pytest
+from scheduler_utils import (
+    FakeRunner,
+    make_request,
+    make_scheduler,
+    run_to_completion,
+    step,
+    token_at,
+)
 
 from vllmpy.core.kv_cache_manager import KVCacheManager
-from vllmpy.core.request import Request, RequestStatus
-from vllmpy.core.sched_output import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
+from vllmpy.core.request import RequestStatus
+from vllmpy.core.sched_output import EngineCoreOutput, ModelRunnerOutput
 from vllmpy.core.scheduler import Scheduler
-from vllmpy.sampling_params import SamplingParams
-
-
-def token_at(position: int) -> int:
-    """What the fake model samples at a position: independent of batching and preemption."""
-    return 1000 + position
-
-
-@dataclass
-class _RunnerState:
-    num_prompt_tokens: int
-    token_ids: list[int]
-    block_ids: list[int]
-    num_computed_tokens: int
-
-
-class FakeRunner:
-    """Keeps a persistent batch from the scheduler's diffs, the way the model runner does,
-    checks the contract on every step, and samples deterministic tokens.
-
-    ``script`` maps a request id to its output tokens by index; other requests get
-    ``token_at(position)``. With ``always_sample`` it also returns a (bogus) token for a
-    mid-prefill chunk, which the scheduler must discard.
-    """
-
-    def __init__(self, kv: KVCacheManager, script=None, always_sample=False):
-        self.kv = kv
-        self.script: dict[str, list[int]] = script or {}
-        self.always_sample = always_sample
-        self.reqs: dict[str, _RunnerState] = {}
-
-    def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
-        for req_id in so.finished_req_ids:
-            self.reqs.pop(req_id, None)
-        for new in so.scheduled_new_reqs:
-            assert new.req_id not in self.reqs
-            self.reqs[new.req_id] = _RunnerState(
-                len(new.prompt_token_ids),
-                new.prompt_token_ids + new.output_token_ids,
-                list(new.block_ids),
-                new.num_computed_tokens,
-            )
-        cached = so.scheduled_cached_reqs
-        for req_id, new_blocks, computed in zip(
-            cached.req_ids, cached.new_block_ids, cached.num_computed_tokens
-        ):
-            state = self.reqs[req_id]
-            assert state.num_computed_tokens == computed
-            state.block_ids.extend(new_blocks)
-        assert so.total_num_scheduled_tokens == sum(so.num_scheduled_tokens.values())
-        req_ids, sampled = [], []
-        for req_id, n in so.num_scheduled_tokens.items():
-            state = self.reqs[req_id]
-            assert state.block_ids == self.kv.get_block_ids(req_id)
-            end = state.num_computed_tokens + n
-            assert n > 0 and end <= len(state.token_ids)
-            assert len(state.block_ids) * self.kv.block_size >= end
-            state.num_computed_tokens = end
-            req_ids.append(req_id)
-            if end == len(state.token_ids):
-                token = self._sample(req_id, state)
-                state.token_ids.append(token)
-                sampled.append([token])
-            elif self.always_sample:
-                sampled.append([7777])
-            else:
-                sampled.append([])
-        return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled)
-
-    def _sample(self, req_id: str, state: _RunnerState) -> int:
-        if req_id in self.script:
-            return self.script[req_id][len(state.token_ids) - state.num_prompt_tokens]
-        return token_at(len(state.token_ids))
-
-
-def make_request(req_id, prompt_len, max_tokens=16, eos=(), **params) -> Request:
-    return Request(
-        req_id,
-        list(range(1, prompt_len + 1)),
-        SamplingParams(**params),
-        set(eos),
-        max_tokens,
-        0.0,
-    )
-
-
-def make_scheduler(num_blocks, block_size, max_num_seqs=8, budget=64, max_model_len=None):
-    kv = KVCacheManager(num_blocks, block_size)
-    max_model_len = max_model_len or num_blocks * block_size
-    return Scheduler(kv, max_num_seqs, budget, max_model_len), kv
-
-
-def step(sched: Scheduler, runner: FakeRunner) -> tuple[SchedulerOutput, list[EngineCoreOutput]]:
-    so = sched.schedule()
-    return so, sched.update_from_output(so, runner.execute(so))
-
-
-def run_to_completion(sched, runner, max_steps=1000) -> dict[str, EngineCoreOutput]:
-    """Step until every request finished; returns each request's accumulated output."""
-    results: dict[str, EngineCoreOutput] = {}
-    for _ in range(max_steps):
-        if not sched.has_unfinished_requests():
-            break
-        _, outputs = step(sched, runner)
-        for out in outputs:
-            acc = results.setdefault(out.req_id, EngineCoreOutput(out.req_id, []))
-            assert not acc.finished
-            acc.new_token_ids += out.new_token_ids
-            acc.finish_reason, acc.stop_reason = out.finish_reason, out.stop_reason
-    assert not sched.has_unfinished_requests()
-    return results
-
 
 # ---- chunked prefill and continuous batching -------------------------------------------
 
@@ -305,8 +200,13 @@ def test_a_request_that_is_itself_the_last_is_preempted_and_the_pass_stops():
     assert kv.num_free_blocks == 4
 
 
+@pytest.mark.parametrize("policy", ["fcfs", "priority", "lpm"])
+@pytest.mark.parametrize("caching", [False, True])
 @pytest.mark.parametrize("seed", range(5))
-def test_random_workload_under_pressure_completes_with_batching_independent_tokens(seed):
+def test_random_workload_under_pressure_completes_with_batching_independent_tokens(
+        seed, caching, policy):
+    # Every prompt is 1, 2, 3, ... and the fake model samples token_at(position), so with
+    # caching every request shares blocks with the others and with its own past.
     rng = random.Random(seed)
     sched, kv = make_scheduler(
         num_blocks=12,
@@ -314,11 +214,15 @@ def test_random_workload_under_pressure_completes_with_batching_independent_toke
         max_num_seqs=5,
         budget=rng.choice([3, 8, 32]),
         max_model_len=40,
+        caching=caching,
+        policy=policy,
     )
     runner = FakeRunner(kv)
     requests = {}
     for i in range(30):
-        req = make_request(f"r{i}", rng.randint(1, 30), max_tokens=rng.randint(1, 20))
+        priority = rng.randint(-2, 2) if policy == "priority" else 0
+        req = make_request(f"r{i}", rng.randint(1, 30), max_tokens=rng.randint(1, 20),
+                           priority=priority)
         requests[req.request_id] = req
     pending = list(requests.values())
     results: dict[str, list[int]] = {r: [] for r in requests}
@@ -333,11 +237,13 @@ def test_random_workload_under_pressure_completes_with_batching_independent_toke
         assert len(so.num_scheduled_tokens) <= 5
         for out in outs:
             results[out.req_id] += out.new_token_ids
-        held = sum(len(kv.get_block_ids(r.request_id)) for r in sched.running)
-        assert held + kv.num_free_blocks == 12
+        held = [b for r in sched.running for b in kv.get_block_ids(r.request_id)]
+        assert len(set(held)) + kv.num_free_blocks == 12
+        assert all(kv.block_pool.ref_count(b) == held.count(b) for b in held)
     assert not pending and sched.get_num_unfinished_requests() == 0
     assert kv.num_free_blocks == 12
     assert any(r.num_preemptions for r in requests.values())
+    assert (kv.prefix_cache_hits > 0) == caching
     for req_id, req in requests.items():
         n = req.num_prompt_tokens
         expected_len = min(req.max_tokens, 40 - n)

@@ -122,6 +122,9 @@ def test_prompt_at_max_model_len_is_refused(llm):
         llm.generate([[]], SamplingParams(max_tokens=1))
     with pytest.raises(ValueError, match="out of range"):
         llm.generate([[10**9]], SamplingParams(max_tokens=1))
+    with pytest.raises(ValueError, match=r"logprob_token_ids \[1000000000\] are outside"):
+        llm.generate([[1]], SamplingParams(max_tokens=1, logprobs=1,
+                                           logprob_token_ids=[10**9]))
     # the engine is still fine afterwards
     assert llm.generate(PROMPT, SamplingParams(max_tokens=2))[0].finished
     assert llm.engine.engine_core.kv_cache_manager.num_free_blocks == 64

@@ -160,3 +160,14 @@ def test_serving_mode_against_a_real_server(smollm_path, capsys):
         assert re.search(r"failed request: HTTP 400", err)
     finally:
         server.stop()
+
+
+def test_warmup_prompts_are_fresh_so_a_prefix_cache_gains_nothing():
+    args = bench.parse_args(["--model", "m", "--num-prompts", "4", "--input-len", "20",
+                             "--output-len", "3", "--warmup", "3"])
+    timed = bench.build_requests(args, 500, {0}, tokenizer=None, as_text=False)
+    warm = bench.warmup_requests(args, timed, 500, {0}, tokenizer=None, as_text=False)
+    assert len(warm) == 3
+    assert all(len(w.prompt) == 20 and w.output_len == 3 for w in warm)
+    assert not {tuple(w.prompt) for w in warm} & {tuple(t.prompt) for t in timed}
+    assert all(0 not in w.prompt for w in warm)  # forbidden ids stay out

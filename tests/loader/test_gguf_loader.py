@@ -8,6 +8,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as QType
 
+from vllmpy.layers.quantized import QuantizedTensor
 from vllmpy.loader.gguf_loader import (
     GGUFLoadError,
     iter_gguf_weights,
@@ -261,6 +262,34 @@ def test_quantized_and_half_types_dequantize_in_hf_shape(tmp_path):
         module = name.split(".")[-2]
         err = (tensor.float() - torch.from_numpy(reference)).abs().max().item()
         assert err < tolerance.get(module, 0.01), (name, err)
+
+
+def test_q4_and_q8_matrices_come_quantized_and_unpermuted(tmp_path):
+    """Q4_0 / Q4_1 / Q8_0 matrices come as QuantizedTensor (blocks kept, llama q/k rows
+    put back in HF order); other quantized types come dequantized as before."""
+    rng = np.random.default_rng(5)
+    q = rng.standard_normal((HEADS * HEAD_DIM, 64)).astype(np.float32)
+    k = rng.standard_normal((KV_HEADS * HEAD_DIM, 64)).astype(np.float32)
+    w = rng.standard_normal((FFN, 64)).astype(np.float32)
+    types = {"attn_q": QType.Q4_1, "attn_k": QType.Q8_0, "ffn_gate": QType.Q4_0,
+             "ffn_up": QType.Q5_0}
+    raw = {"blk.0.attn_q.weight": llama_cpp_permute(q, HEADS),
+           "blk.0.attn_k.weight": llama_cpp_permute(k, KV_HEADS),
+           "blk.0.ffn_gate.weight": w, "blk.0.ffn_up.weight": w}
+    raw = {name: (gguf.quants.quantize(a, types[name.split(".")[2]]), types[name.split(".")[2]])
+           for name, a in raw.items()}
+    tensors = {"token_embd.weight": np.zeros((VOCAB, HIDDEN), np.float32)}
+    ckpt = open_gguf(write_gguf(tmp_path / "q.gguf", "llama", tensors, raw=raw))
+    loaded = dict(iter_gguf_weights(ckpt, torch.bfloat16))
+    expected = {"self_attn.q_proj": (q, QType.Q4_1), "self_attn.k_proj": (k, QType.Q8_0),
+                "mlp.gate_proj": (w, QType.Q4_0), "mlp.up_proj": (w, QType.Q5_0)}
+    for module, (array, qtype) in expected.items():
+        tensor = loaded[f"model.layers.0.{module}.weight"]
+        assert isinstance(tensor, QuantizedTensor) == (qtype != QType.Q5_0), module
+        assert tensor.dtype == torch.bfloat16 and tuple(tensor.shape) == array.shape
+        # quantizing works row by row, so it commutes with the row permutation
+        dense = gguf.quants.dequantize(gguf.quants.quantize(array, qtype), qtype)
+        assert torch.equal(tensor.float(), torch.from_numpy(dense).bfloat16().float()), module
 
 
 def test_unknown_architecture_is_refused(tmp_path):

@@ -237,3 +237,164 @@ def test_triton_backend_matches_torch_reference_backend(dtype):
         batch["q"], k, v, cache, meta)
     torch.testing.assert_close(cache, ref_cache, atol=0, rtol=0)
     assert_close(out, expected, dtype)
+
+
+# ---- fp8 KV cache --------------------------------------------------------------------------
+
+FP8 = torch.float8_e4m3fn
+FP8_OK_ON_DEVICE = not CUDA or torch.cuda.get_device_capability() >= (8, 9)
+needs_fp8_device = pytest.mark.skipif(not FP8_OK_ON_DEVICE,
+                                      reason="fp8 e4m3 in Triton needs compute capability 8.9+")
+K_SCALE, V_SCALE = 0.05, 0.3
+
+
+def quantize(x, scale):
+    """x / scale rounded to e4m3 by torch, saturating at 448: what an fp8 page holds."""
+    return (x.float() / scale).clamp(-448, 448).to(FP8)
+
+
+def fp8_batch(reqs, heads, kv_heads, dim, block_size, dtype, seed=0):
+    """make_batch with its cache stored as fp8 pages: keys / K_SCALE, values / V_SCALE."""
+    batch = make_batch(reqs, heads, kv_heads, dim, block_size, torch.float32, seed=seed)
+    cache = batch["kv_cache"] * 4  # some values past 448 * scale: the clamp is exercised
+    batch["kv_cache"] = torch.stack([quantize(cache[0], K_SCALE), quantize(cache[1], V_SCALE)])
+    batch["q"] = batch["q"].to(dtype)
+    return batch
+
+
+@pytest.fixture(scope="module")
+def kernel_writes_fp8_exactly():
+    """Skips a test when the Triton kernels cannot convert fp32 to e4m3 as torch does. This
+    happens for one reason only: Triton's interpreter (the CPU path) drops the carry of a
+    rounded-up mantissa into the exponent (31.9 becomes 16, not 32)."""
+    probe = torch.tensor([31.9, -124.6, 1.97, 0.3, 447.0, -600.0, 17.0, 0.0] * 2,
+                         device=DEVICE).view(1, 1, 16)
+    cache = torch.zeros(2, 1, 1, 1, 16, dtype=FP8, device=DEVICE)
+    reshape_and_cache(probe, probe, cache, torch.zeros(1, dtype=torch.long, device=DEVICE))
+    if not torch.equal(cache[0, 0, 0, 0].view(torch.uint8),
+                       quantize(probe[0, 0], 1.0).view(torch.uint8)):
+        pytest.skip("Triton's interpreter converts fp32 to fp8 e4m3 without carrying a "
+                    "rounded-up mantissa into the exponent, so kernel-written fp8 pages "
+                    "cannot be checked on the CPU")
+
+
+def test_fp8_reference_reads_page_times_scale():
+    # the references' fp8 path against the plain path over the dequantized values
+    batch = fp8_batch(MIXED, 4, 2, 64, 16, torch.float32, seed=9)
+    scale = 1 / 8
+    ref = paged_attention_ref(scale=scale, k_scale=K_SCALE, v_scale=V_SCALE, **batch)
+    cache = batch["kv_cache"].float()
+    plain = {**batch, "kv_cache": torch.stack([cache[0] * K_SCALE, cache[1] * V_SCALE])}
+    torch.testing.assert_close(ref, paged_attention_ref(scale=scale, **plain), atol=0, rtol=0)
+
+
+def test_fp8_reference_write_quantizes_with_the_scale_and_saturates():
+    gen = torch.Generator().manual_seed(10)
+    k = torch.randn(6, 2, 16, generator=gen) * 20
+    v = torch.randn(6, 2, 16, generator=gen)
+    k[0, 0, :4] = torch.tensor([1000.0, -1000.0, 224.0, 0.0])  # 224 / 0.5 = 448: the largest
+    slots = torch.tensor([9, 0, -1, 31, 4, 17])
+    cache = torch.zeros(2, 4, 8, 2, 16, dtype=FP8)
+    reshape_and_cache_ref(k, v, cache, slots, k_scale=0.5, v_scale=0.01)
+    flat = cache.float().view(2, 32, 2, 16)
+    keys, values = flat[0] * 0.5, flat[1] * 0.01
+    assert keys[9, 0, :4].tolist() == [224.0, -224.0, 224.0, 0.0]
+    keep = slots >= 0
+    for got, x, s in ((keys[slots[keep]], k[keep].clamp(-224, 224), 0.5),
+                      (values[slots[keep]], v[keep], 0.01)):
+        # e4m3 keeps 3 mantissa bits: round to nearest is within 2**-4 relative, or half
+        # the smallest subnormal step (2**-9) times the scale near zero
+        assert ((got - x).abs() <= x.abs() * 2 ** -4 + 2 ** -10 * s).all()
+    written = {s for s in slots.tolist() if s >= 0}
+    untouched = [s for s in range(32) if s not in written]
+    assert flat[:, untouched].abs().sum() == 0
+    # the CPU backend stores the same bytes
+    by_backend = torch.zeros_like(cache)
+    write_kv_cache(k[keep], v[keep], by_backend, slots[keep], 0.5, 0.01)
+    assert torch.equal(by_backend.view(torch.uint8), cache.view(torch.uint8))
+
+
+@needs_fp8_device
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads,kv_heads,dim,block_size,num_splits", [
+    (4, 2, 64, 16, 1),
+    (6, 2, 64, 16, 1),  # a head group that is no power of two
+    (4, 2, 128, 32, 3),  # split-KV
+])
+def test_fp8_paged_attention_reads_fp8_pages_like_the_reference(
+        dtype, heads, kv_heads, dim, block_size, num_splits):
+    batch = fp8_batch(MIXED, heads, kv_heads, dim, block_size, dtype, seed=11)
+    scale = 1 / math.sqrt(dim)
+    ref = paged_attention_ref(scale=scale, k_scale=K_SCALE, v_scale=V_SCALE, **batch)
+    out = torch.full_like(batch["q"], 7.0)
+    paged_attention(out=out, scale=scale, num_splits=num_splits, max_query_len=13,
+                    max_seq_len=150, k_scale=K_SCALE, v_scale=V_SCALE, **batch)
+    # values reach 448 * V_SCALE: in bf16 / fp16 the rounding of the weighted sum is
+    # relative to that scale, not to each (possibly cancelled) output element
+    tol = TOL[dtype]
+    torch.testing.assert_close(out.float(), ref.float(), rtol=tol,
+                               atol=tol * ref.abs().max().item())
+
+
+@needs_fp8_device
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fp8_reshape_and_cache_matches_reference(dtype, kernel_writes_fp8_exactly):
+    gen = torch.Generator().manual_seed(12)
+    k = (torch.randn(11, 2, 64, generator=gen) * 30).to(DEVICE, dtype)
+    v = torch.randn(11, 2, 64, generator=gen).to(DEVICE, dtype)
+    slots = torch.randperm(6 * 16, generator=gen)[:11]
+    slots[[2, 7]] = -1
+    slots = slots.to(DEVICE)
+    cache = torch.zeros(2, 6, 16, 2, 64, dtype=FP8, device=DEVICE)
+    expected = cache.clone()
+    reshape_and_cache(k, v, cache, slots, k_scale=0.05, v_scale=0.01)
+    reshape_and_cache_ref(k, v, expected, slots, k_scale=0.05, v_scale=0.01)
+    assert torch.equal(cache.view(torch.uint8), expected.view(torch.uint8))
+
+
+@needs_fp8_device
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fp8_triton_backend_matches_torch_reference_backend(dtype, kernel_writes_fp8_exactly):
+    heads, kv_heads, dim, bs = 4, 2, 64, 16
+    reqs = [(1, 70), (6, 22), (5, 5)]
+    batch = fp8_batch(reqs, heads, kv_heads, dim, bs, dtype, seed=13)
+    starts = batch["query_start_loc"].tolist()
+    slots = []
+    for i, (q_len, seq_len) in enumerate(reqs):
+        table = batch["block_tables"][i].tolist()
+        slots += [table[p // bs] * bs + p % bs for p in range(seq_len - q_len, seq_len)]
+    meta = AttentionMetadata(
+        num_actual_tokens=starts[-1], query_start_loc=batch["query_start_loc"],
+        query_start_loc_cpu=starts, seq_lens=batch["seq_lens"],
+        seq_lens_cpu=[s for _, s in reqs],
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=DEVICE),
+        block_tables=batch["block_tables"], block_size=bs)
+    gen = torch.Generator().manual_seed(14)
+    k = (torch.randn(starts[-1], kv_heads, dim, generator=gen) * 4).to(DEVICE, dtype)
+    v = (torch.randn(starts[-1], kv_heads, dim, generator=gen) * 4).to(DEVICE, dtype)
+    scale = 1 / math.sqrt(dim)
+    ref_cache = batch["kv_cache"].clone()
+    expected = TorchReferenceBackend(heads, kv_heads, dim, scale).forward(
+        batch["q"], k, v, ref_cache, meta, K_SCALE, V_SCALE)
+    cache = batch["kv_cache"].clone()
+    out = TritonAttentionBackend(heads, kv_heads, dim, scale).forward(
+        batch["q"], k, v, cache, meta, K_SCALE, V_SCALE)
+    assert torch.equal(cache.view(torch.uint8), ref_cache.view(torch.uint8))
+    # fp8 values reach 448 * scale: bf16 / fp16 rounding is relative to that magnitude
+    tol = TOL[dtype]
+    torch.testing.assert_close(out.float(), expected.float(), rtol=tol,
+                               atol=tol * expected.abs().max().item())
+
+
+def test_fp8_launchers_refuse_bad_scales_and_caches_by_name():
+    batch = fp8_batch([(1, 5)], 4, 2, 64, 16, torch.float32)
+    out = torch.empty_like(batch["q"])
+    common = dict(scale=0.1, max_query_len=1, max_seq_len=5)
+    with pytest.raises(ValueError, match="k_scale must be a positive finite number"):
+        paged_attention(**batch, out=out, k_scale=0.0, **common)
+    k = torch.zeros(2, 2, 64, device=DEVICE)
+    slots = torch.zeros(2, dtype=torch.long, device=DEVICE)
+    with pytest.raises(ValueError, match="v_scale must be a positive finite number"):
+        reshape_and_cache(k, k, batch["kv_cache"], slots, v_scale=float("nan"))
+    with pytest.raises(ValueError, match="kv_cache has dtype torch.int8"):
+        reshape_and_cache(k, k, batch["kv_cache"].view(torch.int8), slots)

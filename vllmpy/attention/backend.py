@@ -3,6 +3,11 @@
 A backend stores the step's new keys and values into the cache, then computes causal
 attention of each request's new queries over all of that request's cached tokens.
 The KV cache of one layer is a tensor [2, num_blocks, block_size, num_kv_heads, head_dim].
+
+An fp8 cache (``torch.float8_e4m3fn``) holds ``clamp(x / scale, -448, 448)`` with one
+scale for the layer's keys (``k_scale``) and one for its values (``v_scale``); reading
+gives back ``page * scale`` in the compute dtype. Caches of any other dtype hold the
+values as they are and ignore the scales.
 """
 
 from __future__ import annotations
@@ -12,24 +17,56 @@ import torch.nn.functional as F
 
 from vllmpy.attention.metadata import AttentionMetadata
 
+FP8_KV_DTYPE = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8_KV_DTYPE).max  # 448: the largest finite e4m3 value
+
 
 class AttentionBackend:
-    """Contract: ``forward(q, k, v, kv_cache, meta)`` with q [num_tokens, num_heads, head_dim],
-    k and v [num_tokens, num_kv_heads, head_dim]; writes k and v at ``meta.slot_mapping``
-    and returns [num_tokens, num_heads, head_dim]."""
+    """Contract: ``forward(q, k, v, kv_cache, meta, k_scale, v_scale)`` with q
+    [num_tokens, num_heads, head_dim], k and v [num_tokens, num_kv_heads, head_dim]; writes
+    k and v at ``meta.slot_mapping`` (quantized with the scales when the cache is fp8) and
+    returns [num_tokens, num_heads, head_dim]."""
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+                kv_cache: torch.Tensor, meta: AttentionMetadata,
+                k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
         raise NotImplementedError
 
 
+def quantize_kv(x: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:
+    """x in the cache's storage dtype: fp8 holds clamp(x / scale, +-448), others hold x."""
+    if dtype != FP8_KV_DTYPE:
+        return x.to(dtype)
+    return (x.float() / scale).clamp_(-FP8_MAX, FP8_MAX).to(dtype)
+
+
+# every e4m3 value, indexed by its byte
+_FP8_VALUES = torch.arange(256, dtype=torch.uint8).view(FP8_KV_DTYPE).float()
+
+
+def dequantize_kv(page: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:
+    """Cached keys or values in the compute dtype: fp8 pages times their scale."""
+    if page.dtype != FP8_KV_DTYPE:
+        return page.to(dtype)
+    # torch converts fp8 one element at a time on the CPU; looking each byte up in a
+    # 256-entry table of (e4m3 value * scale) is several times faster and rounds once
+    table = (_FP8_VALUES.to(page.device) * scale).to(dtype)
+    return torch.take(table, page.view(torch.uint8).long())
+
+
 def write_kv_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                   slot_mapping: torch.Tensor) -> None:
+                   slot_mapping: torch.Tensor, k_scale: float = 1.0,
+                   v_scale: float = 1.0) -> None:
     """Store k and v ([num_tokens, num_kv_heads, head_dim]) into their slots."""
     num_kv_heads, head_dim = k.shape[1], k.shape[2]
+    k = quantize_kv(k, kv_cache.dtype, k_scale)
+    v = quantize_kv(v, kv_cache.dtype, v_scale)
+    if kv_cache.dtype == FP8_KV_DTYPE:
+        # index_copy_ has no fp8 kernel on the CPU: copy the bytes
+        kv_cache, k, v = kv_cache.view(torch.uint8), k.view(torch.uint8), v.view(torch.uint8)
     flat = kv_cache.view(2, -1, num_kv_heads, head_dim)  # [2, num_slots, kv_heads, head_dim]
-    flat[0].index_copy_(0, slot_mapping, k.to(kv_cache.dtype))
-    flat[1].index_copy_(0, slot_mapping, v.to(kv_cache.dtype))
+    flat[0].index_copy_(0, slot_mapping, k)
+    flat[1].index_copy_(0, slot_mapping, v)
 
 
 class TorchReferenceBackend(AttentionBackend):
@@ -45,33 +82,41 @@ class TorchReferenceBackend(AttentionBackend):
         self.scale = scale
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+                kv_cache: torch.Tensor, meta: AttentionMetadata,
+                k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
         num_tokens = meta.num_actual_tokens
-        write_kv_cache(k[:num_tokens], v[:num_tokens], kv_cache, meta.slot_mapping[:num_tokens])
+        write_kv_cache(k[:num_tokens], v[:num_tokens], kv_cache, meta.slot_mapping[:num_tokens],
+                       k_scale, v_scale)
+        scales = (k_scale, v_scale)
         out = torch.empty_like(q)
         starts = meta.query_start_loc_cpu
         decode_rows = [i for i in range(meta.num_reqs) if starts[i + 1] - starts[i] == 1]
         if len(decode_rows) > 1:
-            self._batched_decode(q, kv_cache, meta, decode_rows, out)
+            self._batched_decode(q, kv_cache, meta, decode_rows, out, scales)
         decode_set = set(decode_rows) if len(decode_rows) > 1 else set()
         for i, seq_len in enumerate(meta.seq_lens_cpu):
             if i not in decode_set:
-                self._one_request(q, kv_cache, meta, i, seq_len, out)
+                self._one_request(q, kv_cache, meta, i, seq_len, out, scales)
         return out
 
-    def _gather(self, kv_cache: torch.Tensor, blocks: torch.Tensor,
-                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values of the given blocks, [..., num_blocks * block_size, kv_heads, dim]."""
-        keys = kv_cache[0, blocks].flatten(-4, -3).to(dtype)
-        values = kv_cache[1, blocks].flatten(-4, -3).to(dtype)
+    @staticmethod
+    def _gather(kv_cache: torch.Tensor, blocks: torch.Tensor, dtype: torch.dtype,
+                scales: tuple[float, float]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of the given blocks, [..., num_blocks * block_size, kv_heads, dim],
+        in the compute dtype (fp8 pages dequantized with their (k_scale, v_scale))."""
+        k_scale, v_scale = scales
+        keys = dequantize_kv(kv_cache[0, blocks].flatten(-4, -3), dtype, k_scale)
+        values = dequantize_kv(kv_cache[1, blocks].flatten(-4, -3), dtype, v_scale)
         return keys, values
 
     def _one_request(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
-                     i: int, seq_len: int, out: torch.Tensor) -> None:
+                     i: int, seq_len: int, out: torch.Tensor,
+                     scales: tuple[float, float]) -> None:
         q_start, q_end = meta.query_start_loc_cpu[i], meta.query_start_loc_cpu[i + 1]
         q_len = q_end - q_start
         num_blocks = -(-seq_len // meta.block_size)
-        keys, values = self._gather(kv_cache, meta.block_tables[i, :num_blocks].long(), q.dtype)
+        keys, values = self._gather(kv_cache, meta.block_tables[i, :num_blocks].long(), q.dtype,
+                                    scales)
         keys, values = keys[:seq_len], values[:seq_len]  # [seq_len, kv_heads, head_dim]
         group = self.num_heads // self.num_kv_heads
         if group > 1:
@@ -88,14 +133,15 @@ class TorchReferenceBackend(AttentionBackend):
         out[q_start:q_end] = attn.transpose(0, 1)
 
     def _batched_decode(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
-                        rows: list[int], out: torch.Tensor) -> None:
+                        rows: list[int], out: torch.Tensor,
+                        scales: tuple[float, float]) -> None:
         """Every one-token query of the step in one padded attention call."""
         lens = [meta.seq_lens_cpu[i] for i in rows]
         num_blocks = -(-max(lens) // meta.block_size)
         idx = torch.tensor(rows, device=q.device)
         tokens = meta.query_start_loc[idx].long()  # the row of each request's one query
         blocks = meta.block_tables[idx, :num_blocks].long()  # [R, num_blocks]
-        keys, values = self._gather(kv_cache, blocks, q.dtype)  # [R, L, kv_heads, head_dim]
+        keys, values = self._gather(kv_cache, blocks, q.dtype, scales)  # [R, L, kv_heads, dim]
         group = self.num_heads // self.num_kv_heads
         if group > 1:
             keys = keys.repeat_interleave(group, dim=2)

@@ -12,7 +12,8 @@ from vllmpy.ops.paged_attention import paged_attention, reshape_and_cache
 class TritonAttentionBackend(AttentionBackend):
     """Same contract and results as ``TorchReferenceBackend``, in two launches per layer:
     ``reshape_and_cache`` stores the step's keys and values, ``paged_attention`` attends
-    over the whole mixed batch (split-KV for long decodes).
+    over the whole mixed batch (split-KV for long decodes). An fp8 cache is written
+    quantized with the layer's ``k_scale``/``v_scale`` and read back through them.
 
     Slots below zero in ``meta.slot_mapping`` are padding rows and are not stored; query
     rows past ``meta.query_start_loc[-1]`` are padding and their output is undefined.
@@ -31,14 +32,16 @@ class TritonAttentionBackend(AttentionBackend):
         self.num_splits = num_splits
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+                kv_cache: torch.Tensor, meta: AttentionMetadata,
+                k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
         n = meta.num_actual_tokens
-        reshape_and_cache(k[:n], v[:n], kv_cache, meta.slot_mapping[:n])
+        reshape_and_cache(k[:n], v[:n], kv_cache, meta.slot_mapping[:n], k_scale, v_scale)
         out = torch.empty_like(q)  # [num_tokens, num_heads, head_dim]
         max_query_len, max_seq_len = _step_maxima(meta)
         paged_attention(q, kv_cache, out, meta.query_start_loc, meta.seq_lens,
                         meta.block_tables, scale=self.scale, max_query_len=max_query_len,
-                        max_seq_len=max_seq_len, num_splits=self.num_splits)
+                        max_seq_len=max_seq_len, num_splits=self.num_splits,
+                        k_scale=k_scale, v_scale=v_scale)
         return out
 
 

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import enum
+from typing import Any
 
+from vllmpy.core.block_pool import BlockHash
 from vllmpy.sampling_params import SamplingParams
 
 
@@ -11,6 +13,7 @@ class RequestStatus(enum.IntEnum):
     """Where a request is in its life. Every status after PREEMPTED is a finished one."""
 
     WAITING = enum.auto()  # queued, never scheduled
+    WAITING_FOR_FSM = enum.auto()  # queued while its structured-output grammar compiles
     RUNNING = enum.auto()  # holds KV blocks and a seat in the batch
     PREEMPTED = enum.auto()  # lost its blocks; queued again to recompute prompt + output
     FINISHED_STOPPED = enum.auto()  # a stop token id or an EOS token
@@ -35,6 +38,8 @@ class Request:
     ``max_tokens`` is already resolved by the frontend (>= 1); ``eos_token_ids`` are the
     model's end-of-sequence ids. Tokens whose KV is in the cache are the first
     ``num_computed_tokens`` of ``all_token_ids``; the rest still have to be computed.
+    ``priority`` orders requests under the priority policy (lower first); ``cache_salt``
+    keeps the request from sharing cached KV with requests that carry another salt.
     """
 
     def __init__(
@@ -45,6 +50,8 @@ class Request:
         eos_token_ids: set[int],
         max_tokens: int,
         arrival_time: float,
+        priority: int = 0,
+        cache_salt: str | None = None,
     ) -> None:
         if not prompt_token_ids:
             raise ValueError(f"request {request_id!r}: the prompt must have at least one token")
@@ -56,14 +63,27 @@ class Request:
         self.eos_token_ids = set(eos_token_ids)
         self.max_tokens = max_tokens
         self.arrival_time = arrival_time
+        self.priority = priority
+        self.cache_salt = cache_salt
 
         self.status = RequestStatus.WAITING
         self.output_token_ids: list[int] = []
         self._all_token_ids: list[int] = list(self.prompt_token_ids)
         self.num_computed_tokens = 0
+        # Tokens sampled by a launched step whose results are not in yet (async
+        # scheduling): their positions are computed next step from the device's copy.
+        self.num_pending_outputs = 0
         self.num_preemptions = 0
         # The stop token id that ended the request (None for EOS, length or abort).
         self.stop_reason: int | str | None = None
+        # Prefix-cache hashes of the full blocks of all_token_ids, in order; extended by
+        # the KVCacheManager as blocks fill (tokens never change, so neither do they).
+        self.block_hashes: list[BlockHash] = []
+        # Prompt tokens served from the prefix cache when first scheduled (None before).
+        self.num_cached_tokens: int | None = None
+        # The grammar state of a structured-output request (a StructuredOutputRequest,
+        # set by the engine core); None for an unconstrained one.
+        self.structured_output_request: Any = None
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -81,6 +101,12 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
+
+    @property
+    def hash_extra_keys(self) -> tuple[str, ...]:
+        """What besides the tokens must match for this request to reuse a cached block;
+        it goes into the first block's hash, and the chain carries it to the rest."""
+        return () if self.cache_salt is None else (f"salt:{self.cache_salt}",)
 
     @property
     def is_finished(self) -> bool:

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from vllmpy.sampling_params import SamplingParams
 
 
@@ -48,6 +50,14 @@ class SchedulerOutput:
     # Requests that left since the last step (finished, aborted or preempted): the runner
     # drops them from its batch. A preempted request comes back later as a NewRequestData.
     finished_req_ids: set[str]
+    # Structured output: req_id -> its row of grammar_bitmask, for the requests that sample
+    # this step under a grammar. grammar_bitmask is int32 [rows, ceil(vocab_size / 32)]:
+    # bit j of word w allows token 32 * w + j. None when no request needs one.
+    structured_output_request_ids: dict[str, int] = field(default_factory=dict)
+    grammar_bitmask: np.ndarray | None = None
+    # Set by Scheduler.on_launched when the engine launched this step before the previous
+    # one's results were in (async scheduling): its computed tokens are counted already.
+    launched_ahead: bool = False
 
 
 @dataclass

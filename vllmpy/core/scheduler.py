@@ -1,10 +1,16 @@
-"""The token-budget scheduler: continuous batching, chunked prefill, preemption."""
+"""The token-budget scheduler: continuous batching, chunked prefill, preemption, and the
+order in which waiting requests are admitted (fcfs, priority, lpm)."""
 
 from __future__ import annotations
 
+import bisect
+import itertools
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
 
 from vllmpy.core.kv_cache_manager import KVCacheManager, cdiv
 from vllmpy.core.request import Request, RequestStatus
@@ -15,6 +21,19 @@ from vllmpy.core.sched_output import (
     NewRequestData,
     SchedulerOutput,
 )
+
+if TYPE_CHECKING:
+    from vllmpy.structured_output.manager import StructuredOutputManager
+
+# While only grammars are compiling, schedule() waits this long for one instead of spinning.
+GRAMMAR_WAIT_S = 0.02
+
+# fcfs: arrival order. priority: the request's ``priority`` (lower first), then arrival.
+# lpm: longest cached-prefix match first, then arrival (SGLang's cache-aware policy).
+SCHEDULING_POLICIES = ("fcfs", "priority", "lpm")
+# With more waiting requests than this, lpm admits in arrival order: matching every one of
+# them against the cache each step would cost more than it saves (SGLang's cut-off).
+LPM_MAX_WAITING = 128
 
 
 @dataclass
@@ -27,13 +46,25 @@ class _StepPlan:
     cached_reqs: CachedRequestData = field(default_factory=CachedRequestData)
     preempted: list[Request] = field(default_factory=list)
 
+    def unschedule_running(self, req_id: str) -> None:
+        """Take back a running request scheduled earlier in this step (it was preempted):
+        its tokens return to the budget and it leaves the step's diffs."""
+        cached = self.cached_reqs
+        index = cached.req_ids.index(req_id)
+        for column in (cached.req_ids, cached.new_block_ids, cached.num_computed_tokens,
+                       cached.new_token_ids):
+            if index < len(column):
+                del column[index]
+        self.budget += self.num_scheduled_tokens.pop(req_id)
+
 
 class Scheduler:
     """Decides, step by step, which requests run and how many tokens each computes.
 
     The engine core calls, per step: ``schedule()``, then the model runner, then
     ``update_from_output()``. Requests arrive through ``add_request`` and are aborted
-    through ``finish_requests``, both between steps.
+    through ``finish_requests``, both between steps. ``policy`` is one of
+    ``SCHEDULING_POLICIES``.
     """
 
     def __init__(
@@ -42,7 +73,12 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         max_model_len: int,
+        policy: str = "fcfs",
+        structured_output_manager: StructuredOutputManager | None = None,
     ) -> None:
+        if policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"unknown scheduling policy {policy!r}; choose one of "
+                             f"{', '.join(SCHEDULING_POLICIES)}")
         for name, value in (
             ("max_num_seqs", max_num_seqs),
             ("max_num_batched_tokens", max_num_batched_tokens),
@@ -64,14 +100,26 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
+        self.policy = policy
 
         self.requests: dict[str, Request] = {}  # every unfinished request, by id
-        self.waiting: deque[Request] = deque()  # WAITING and PREEMPTED, front first
+        # WAITING and PREEMPTED, front first: kept in admission order for fcfs (preempted
+        # ones in front) and priority; re-sorted by cache match each step for lpm.
+        self.waiting: deque[Request] = deque()
+        # Arrival rank of every unfinished request: breaks ties between equal arrival times.
+        self._arrival_rank: dict[str, int] = {}
+        self._ranks = itertools.count()
         self.running: list[Request] = []  # RUNNING, in admission order
         # Requests that left the runner's batch since the last schedule() (finished,
         # aborted); sent with the next SchedulerOutput.
         self.finished_req_ids: set[str] = set()
         self.num_preemptions_total = 0  # preemptions since start-up (a metric)
+        self.structured_output_manager = structured_output_manager
+        # Tokens appended by grammar jump-forward since the request's last step: sent to
+        # the runner with its next step (CachedRequestData.new_token_ids).
+        self._jump_forward_pending: dict[str, list[int]] = {}
+        # Requests whose grammar failed to compile: reported by the next update.
+        self._grammar_failures: list[EngineCoreOutput] = []
 
     # ---- requests in and out -------------------------------------------------------
 
@@ -84,9 +132,16 @@ class Scheduler:
                 f"request {request.request_id!r}: the prompt has {request.num_prompt_tokens} "
                 f"tokens, at or past max_model_len={self.max_model_len}"
             )
-        request.status = RequestStatus.WAITING
+        if request.priority != 0 and self.policy != "priority":
+            raise ValueError(
+                f"Got priority {request.priority} but Priority scheduling is not enabled: "
+                f"the scheduling policy is {self.policy}; use the priority policy"
+            )
+        request.status = (RequestStatus.WAITING if request.structured_output_request is None
+                          else RequestStatus.WAITING_FOR_FSM)
         self.requests[request.request_id] = request
-        self.waiting.append(request)
+        self._arrival_rank[request.request_id] = next(self._ranks)
+        self._enqueue_waiting(request, front=False)
 
     def finish_requests(self, request_ids: str | Iterable[str], status: RequestStatus) -> None:
         """End requests from outside (abort, a stop string seen by the frontend).
@@ -133,17 +188,22 @@ class Scheduler:
         # max_num_batched_tokens tokens. A request is owed its uncomputed tokens
         # (num_tokens - num_computed_tokens): the rest of its prompt, or the one token
         # sampled last step. Running requests come first, in order, each given as many
-        # of its owed tokens as the budget has left. If the KV pool cannot hold them,
-        # the last running request is preempted (its blocks freed, its progress reset,
-        # put at the front of the waiting queue) until they fit; if the request being
-        # scheduled is itself the last, it is preempted and the running pass stops.
-        # Then, if nothing was preempted, waiting requests are admitted in order while
-        # budget and seats (max_num_seqs) remain, each with as many owed tokens as the
-        # budget allows; the first that does not fit in the pool stops admission.
+        # of its owed tokens as the budget has left. If the KV pool cannot hold them, a
+        # running request is preempted (its blocks freed, its progress reset, queued
+        # again) until they fit: the last admitted one, or under the priority policy the
+        # one with the largest (priority, arrival); one already scheduled this step gives
+        # its tokens back. If the victim is the request being scheduled, the running pass
+        # stops. Then, if nothing was preempted, waiting requests are admitted in the
+        # policy's order (fcfs: arrival, preempted ones first; priority: lowest priority
+        # value, then arrival; lpm: longest cached prefix, then arrival) while budget and
+        # seats (max_num_seqs) remain. Each starts from its longest run of cached blocks
+        # (never its last token) and gets as many remaining tokens as the budget allows;
+        # the first that does not fit in the pool stops admission.
         plan = _StepPlan(budget=self.max_num_batched_tokens)
         self._schedule_running(plan)
         if not plan.preempted:
-            self._schedule_waiting(plan)
+            self._schedule_waiting_with_grammars(plan)
+        so_request_ids, grammar_bitmask = self._grammar_bitmask(plan)
 
         finished_req_ids = self.finished_req_ids | {r.request_id for r in plan.preempted}
         self.finished_req_ids = set()
@@ -153,16 +213,31 @@ class Scheduler:
             num_scheduled_tokens=plan.num_scheduled_tokens,
             total_num_scheduled_tokens=sum(plan.num_scheduled_tokens.values()),
             finished_req_ids=finished_req_ids,
+            structured_output_request_ids=so_request_ids,
+            grammar_bitmask=grammar_bitmask,
         )
 
     def _schedule_running(self, plan: _StepPlan) -> None:
         i = 0
         while i < len(self.running) and plan.budget > 0:
             request = self.running[i]
-            num_new = min(request.num_tokens - request.num_computed_tokens, plan.budget)
+            pending = request.num_pending_outputs
+            if pending and (request.num_output_tokens + pending >= request.max_tokens
+                            or request.num_tokens + pending >= self.max_model_len):
+                i += 1  # its launched step reaches its last token: nothing more to run
+                continue
+            num_new = min(request.num_tokens + pending - request.num_computed_tokens,
+                          plan.budget)
+            if num_new <= 0:
+                i += 1
+                continue
             new_block_ids = self.kv_cache_manager.allocate_slots(request, num_new)
             while new_block_ids is None:
-                victim = self.running.pop()
+                victim_index = self._victim_index()
+                victim = self.running.pop(victim_index)
+                if victim_index < i:  # already scheduled this step
+                    plan.unschedule_running(victim.request_id)
+                    i -= 1
                 self._preempt(victim)
                 plan.preempted.append(victim)
                 if victim is request:
@@ -171,16 +246,32 @@ class Scheduler:
             plan.cached_reqs.req_ids.append(request.request_id)
             plan.cached_reqs.new_block_ids.append(new_block_ids)
             plan.cached_reqs.num_computed_tokens.append(request.num_computed_tokens)
+            plan.cached_reqs.new_token_ids.append(
+                self._jump_forward_pending.pop(request.request_id, []))
             plan.num_scheduled_tokens[request.request_id] = num_new
             plan.budget -= num_new
             i += 1
 
+    def _victim_index(self) -> int:
+        """Which running request to preempt when the pool is full."""
+        if self.policy != "priority":
+            return len(self.running) - 1
+        return max(range(len(self.running)), key=lambda j: self._priority_key(self.running[j]))
+
     def _schedule_waiting(self, plan: _StepPlan) -> None:
+        kv = self.kv_cache_manager
+        if self.policy == "lpm" and plan.budget > 0 and len(self.running) < self.max_num_seqs:
+            self._sort_waiting_by_prefix_match()
         while self.waiting and plan.budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
-            num_new = min(request.num_tokens - request.num_computed_tokens, plan.budget)
-            if self.kv_cache_manager.allocate_slots(request, num_new) is None:
+            computed_blocks, num_hit = kv.get_computed_blocks(request)
+            num_new = min(request.num_tokens - num_hit, plan.budget)
+            if kv.allocate_slots(request, num_new, computed_blocks) is None:
                 return
+            kv.record_prefix_lookup(request, num_hit)
+            request.num_computed_tokens = num_hit
+            if request.num_cached_tokens is None:
+                request.num_cached_tokens = num_hit
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
@@ -203,36 +294,172 @@ class Scheduler:
         The caller has already removed it from ``running``.
         """
         self.kv_cache_manager.free(request)
+        self._jump_forward_pending.pop(request.request_id, None)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.num_pending_outputs = 0  # a launched step's token for it is dropped
         request.num_preemptions += 1
         self.num_preemptions_total += 1
-        self.waiting.appendleft(request)
+        self._enqueue_waiting(request, front=True)
+
+    # ---- structured output -----------------------------------------------------------
+
+    def _schedule_waiting_with_grammars(self, plan: _StepPlan) -> None:
+        """Admit waiting requests as ``_schedule_waiting`` does, passing over those whose
+        grammar still compiles (WAITING_FOR_FSM): they keep their place in the queue and do
+        not hold back the ones behind them. A grammar that failed fails its request."""
+        held = [r for r in self.waiting if not self._grammar_ready(r)]
+        if not held:
+            self._schedule_waiting(plan)
+            return
+        order = [r for r in self.waiting if not r.is_finished]
+        self.waiting = deque(r for r in order if r.status != RequestStatus.WAITING_FOR_FSM)
+        self._schedule_waiting(plan)
+        admitted = {new.req_id for new in plan.new_reqs}
+        self.waiting = deque(r for r in order if r.request_id not in admitted)
+        waiting_for_fsm = [r for r in self.waiting if r.status == RequestStatus.WAITING_FOR_FSM]
+        if not plan.num_scheduled_tokens and waiting_for_fsm:
+            assert self.structured_output_manager is not None
+            self.structured_output_manager.wait_for_any(
+                [r.structured_output_request for r in waiting_for_fsm], GRAMMAR_WAIT_S)
+
+    def _grammar_ready(self, request: Request) -> bool:
+        """False while the request's grammar compiles; a failed one finishes the request
+        (finish_reason "error", reported by the next update) and counts as not ready."""
+        if request.status != RequestStatus.WAITING_FOR_FSM:
+            return True
+        try:
+            if not request.structured_output_request.ready():
+                return False
+        except ValueError as e:
+            self._finish(request, RequestStatus.FINISHED_ABORTED)
+            self._grammar_failures.append(EngineCoreOutput(
+                request.request_id, [], finish_reason="error", error=str(e)))
+            return False
+        request.status = RequestStatus.WAITING
+        return True
+
+    def _grammar_bitmask(self, plan: _StepPlan) -> tuple[dict[str, int], np.ndarray | None]:
+        """The rows of the step's grammar bitmask: one per grammar request that samples."""
+        sampling = []
+        for req_id, num_new in plan.num_scheduled_tokens.items():
+            request = self.requests[req_id]
+            if (request.structured_output_request is not None
+                    and request.num_computed_tokens + num_new >= request.num_tokens):
+                sampling.append(request)
+        if not sampling:
+            return {}, None
+        assert self.structured_output_manager is not None
+        bitmask = self.structured_output_manager.grammar_bitmask(
+            [r.structured_output_request for r in sampling])
+        return {r.request_id: row for row, r in enumerate(sampling)}, bitmask
+
+    def _advance_grammar(self, request: Request, new_token_ids: list[int]) -> None:
+        """Feed the sampled tokens to the request's grammar; then, with jump-forward on,
+        append the tokens the grammar forces next to the output (and to new_token_ids):
+        the runner computes them with the request's next step, like a prompt chunk.
+        Requests asking for logprobs are not jumped (appended tokens have none)."""
+        so_request = request.structured_output_request
+        so_request.accept_tokens(new_token_ids)
+        if request.is_finished or request.sampling_params.logprobs is not None:
+            return
+        assert self.structured_output_manager is not None
+        limit = min(request.max_tokens - request.num_output_tokens,
+                    self.max_model_len - request.num_tokens)
+        forced = self.structured_output_manager.jump_forward_tokens(so_request, limit)
+        for token_id in forced:
+            request.append_output_token_id(token_id)
+            new_token_ids.append(token_id)
+            status = self._check_stop(request, token_id)
+            if status is not None:
+                self.running.remove(request)
+                self._finish(request, status)
+                return
+        if forced:
+            self._jump_forward_pending.setdefault(request.request_id, []).extend(forced)
+
+    # ---- waiting order ---------------------------------------------------------------
+
+    def _priority_key(self, request: Request) -> tuple[int, float, int]:
+        return (request.priority, request.arrival_time,
+                self._arrival_rank[request.request_id])
+
+    def _enqueue_waiting(self, request: Request, front: bool) -> None:
+        """Queue a new (``front`` False) or preempted (``front`` True) request."""
+        if self.policy == "priority":
+            bisect.insort(self.waiting, request, key=self._priority_key)
+        elif front:
+            self.waiting.appendleft(request)
+        else:
+            self.waiting.append(request)
+
+    def _sort_waiting_by_prefix_match(self) -> None:
+        """lpm: the longest cached prefix first, ties (and a long queue) by arrival."""
+        kv = self.kv_cache_manager
+        if not kv.enable_caching or len(self.waiting) > LPM_MAX_WAITING:
+            return
+        rank = self._arrival_rank
+        self.waiting = deque(sorted(
+            self.waiting,
+            key=lambda r: (-kv.get_computed_blocks(r)[1], rank[r.request_id])))
 
     # ---- after the runner ----------------------------------------------------------
+
+    def has_grammar_requests(self) -> bool:
+        """Whether a running or waiting request samples under a grammar (its next bitmask
+        needs its last token, so no step may be scheduled ahead of that token)."""
+        return any(r.structured_output_request is not None for r in self.requests.values())
+
+    def on_launched(self, scheduler_output: SchedulerOutput) -> None:
+        """Async scheduling: the step was launched and the next one will be scheduled
+        before its results are in. Count its tokens as computed now, and each request
+        that samples in it as owing one token whose value the device holds."""
+        scheduler_output.launched_ahead = True
+        for req_id, num_scheduled in scheduler_output.num_scheduled_tokens.items():
+            request = self.requests.get(req_id)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue  # finished, aborted or preempted since it was scheduled
+            request.num_computed_tokens += num_scheduled
+            if request.num_computed_tokens >= request.num_tokens + request.num_pending_outputs:
+                request.num_pending_outputs += 1
 
     def update_from_output(
         self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
     ) -> list[EngineCoreOutput]:
         """Record what the step computed and sampled; finish requests that are done.
 
-        Returns one EngineCoreOutput per request that got new tokens or finished. A token
-        sampled for a request whose scheduled chunk did not reach its last known token
-        (a prefill chunk in the middle of the prompt) is discarded.
+        Returns one EngineCoreOutput per request that got new tokens or finished, or whose
+        prefill chunk scored prompt logprobs. A token sampled for a request whose
+        scheduled chunk did not reach its last known token (a prefill chunk in the middle
+        of the prompt) is discarded. Logprobs travel with their tokens, cut to the tokens
+        kept.
         """
         sampled_by_id = dict(
             zip(model_runner_output.req_ids, model_runner_output.sampled_token_ids)
         )
-        outputs: list[EngineCoreOutput] = []
+        logprobs_by_id = dict(zip(model_runner_output.req_ids, model_runner_output.logprobs))
+        prompt_logprobs_by_id = model_runner_output.prompt_logprobs
+        outputs, self._grammar_failures = self._grammar_failures, []
         for req_id, num_scheduled in scheduler_output.num_scheduled_tokens.items():
             request = self.requests.get(req_id)
             if request is None or request.status != RequestStatus.RUNNING:
                 continue  # aborted or preempted since schedule()
-            request.num_computed_tokens += num_scheduled
-            if request.num_computed_tokens < request.num_tokens:
+            sampled = sampled_by_id.get(req_id, ())
+            if scheduler_output.launched_ahead:  # counted at launch; its token is in now
+                request.num_pending_outputs = max(0, request.num_pending_outputs - len(sampled))
+                mid_prefill = not sampled
+            else:
+                request.num_computed_tokens += num_scheduled
+                mid_prefill = request.num_computed_tokens < request.num_tokens
+            self.kv_cache_manager.cache_blocks(request)
+            prompt_logprobs = prompt_logprobs_by_id.get(req_id)
+            if mid_prefill:
+                if prompt_logprobs is not None:  # mid-prefill: only what the chunk scored
+                    outputs.append(EngineCoreOutput(req_id, [],
+                                                    new_prompt_logprobs=prompt_logprobs))
                 continue  # mid-prefill: nothing sampled
             new_token_ids = []
-            for token_id in sampled_by_id.get(req_id, ()):
+            for token_id in sampled:
                 request.append_output_token_id(token_id)
                 new_token_ids.append(token_id)
                 status = self._check_stop(request, token_id)
@@ -240,13 +467,21 @@ class Scheduler:
                     self.running.remove(request)
                     self._finish(request, status)
                     break
-            if new_token_ids or request.is_finished:
+            num_sampled = len(new_token_ids)
+            if request.structured_output_request is not None and new_token_ids:
+                self._advance_grammar(request, new_token_ids)
+            new_logprobs = logprobs_by_id.get(req_id)
+            if new_token_ids or request.is_finished or prompt_logprobs is not None:
                 outputs.append(
                     EngineCoreOutput(
                         req_id=req_id,
                         new_token_ids=new_token_ids,
                         finish_reason=request.finish_reason,
                         stop_reason=request.stop_reason,
+                        num_cached_tokens=request.num_cached_tokens or 0,
+                        new_logprobs=(None if new_logprobs is None
+                                      else new_logprobs.head(num_sampled)),
+                        new_prompt_logprobs=prompt_logprobs,
                     )
                 )
         return outputs
@@ -274,5 +509,7 @@ class Scheduler:
         taken it out of ``running`` / ``waiting``."""
         request.status = status
         self.kv_cache_manager.free(request)
+        self._jump_forward_pending.pop(request.request_id, None)
         del self.requests[request.request_id]
+        del self._arrival_rank[request.request_id]
         self.finished_req_ids.add(request.request_id)

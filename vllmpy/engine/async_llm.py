@@ -71,7 +71,7 @@ class AsyncLLM:
         self.config = config
         self.served_source = source
         self.tokenizer = tokenizer
-        self.input_processor = InputProcessor(config.model, tokenizer)
+        self.input_processor = InputProcessor(config.model, tokenizer, config.scheduler.policy)
         self.output_processor = OutputProcessor(tokenizer)
         self.client = client
         # Called after each batch of outputs with the core's latest stats (the server's
@@ -125,15 +125,16 @@ class AsyncLLM:
 
     async def generate(self, prompt: PromptType, sampling_params: SamplingParams,
                        request_id: str, *, prompt_token_ids_hint: list[int] | None = None,
-                       ) -> AsyncGenerator[RequestOutput, None]:
+                       priority: int = 0) -> AsyncGenerator[RequestOutput, None]:
         """Stream the outputs of one prompt. ``prompt_token_ids_hint``: the prompt's token
         ids when the caller has them already (a rendered chat); ``prompt`` then only
-        supplies the text echoed in the outputs."""
+        supplies the text echoed in the outputs. ``priority``: lower first, only under the
+        priority scheduling policy."""
         self._raise_if_dead()
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         processed = self.input_processor.process_prompt(request_id, prompt, sampling_params,
-                                                        prompt_token_ids_hint)
+                                                        prompt_token_ids_hint, priority)
         self._ensure_output_task()
         state = _RequestState(
             queue=asyncio.Queue(),

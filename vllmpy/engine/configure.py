@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from vllmpy.config import (
@@ -14,10 +16,13 @@ from vllmpy.config import (
     TextModelConfig,
     log,
 )
+from vllmpy.core.scheduler import SCHEDULING_POLICIES
 from vllmpy.loader.source import ModelSource, resolve_model_source
 
 DEFAULT_NUM_BLOCKS = 256
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+# On CUDA, vLLM's serving default: prefill chunks large enough to keep a GPU busy.
+DEFAULT_MAX_NUM_BATCHED_TOKENS_CUDA = 8192
 
 
 def resolve_device(device: str) -> str:
@@ -29,28 +34,115 @@ def resolve_device(device: str) -> str:
     return device
 
 
-def resolve_kv_cache_dtype(requested: str, model_dtype: torch.dtype) -> torch.dtype:
-    if requested == "auto":
+# --kv-cache-dtype values that select a storage dtype ("auto" is resolved from the model)
+KV_CACHE_STORAGE: dict[str, torch.dtype] = {
+    "bfloat16": torch.bfloat16,
+    "float32": torch.float32,
+    "fp8": torch.float8_e4m3fn,
+    "fp8_e4m3": torch.float8_e4m3fn,
+}
+# values that parse (vLLM accepts them) but that this engine refuses by name
+KV_CACHE_REFUSED = ("float16", "fp8_e5m2")
+# a checkpoint's kv_cache_quant_algo (lower-cased) -> the --kv-cache-dtype it means
+CHECKPOINT_KV_ALGOS = {"fp8": "fp8_e4m3"}
+# fp8 e4m3 loads and conversions in Triton need compute capability 8.9 (Ada, Hopper) or newer
+FP8_MIN_CAPABILITY = (8, 9)
+
+
+def kv_cache_dtype_name(dtype: torch.dtype) -> str:
+    """How logs and reports name a KV storage dtype: ``fp8_e4m3`` for the 1-byte e4m3
+    pages (vLLM's name), the torch name otherwise."""
+    if dtype == torch.float8_e4m3fn:
+        return "fp8_e4m3"
+    return str(dtype).removeprefix("torch.")
+
+
+def _kv_choices() -> str:
+    return ", ".join(("auto", *KV_CACHE_STORAGE))
+
+
+def resolve_kv_cache_dtype(requested: str, model_dtype: torch.dtype,
+                           source: ModelSource | None = None) -> torch.dtype:
+    """``--kv-cache-dtype`` -> the dtype the KV pages are stored in.
+
+    An explicit value always wins. ``auto`` takes the checkpoint's own declaration
+    (config.json ``quantization_config.kv_cache_quant_algo``, else ``hf_quant_config.json``)
+    and logs it; with none it is the model dtype. ``float16`` and ``fp8_e5m2`` are refused
+    by name; so is a declared algorithm other than FP8.
+    """
+    if requested in KV_CACHE_REFUSED:
+        raise ConfigError(f"--kv-cache-dtype {requested} is not supported; use one of "
+                          f"{_kv_choices()} (fp8 is e4m3 with per-layer scales)")
+    if requested != "auto" and requested not in KV_CACHE_STORAGE:
+        raise ConfigError(f"unknown --kv-cache-dtype {requested!r}; choose one of "
+                          f"{_kv_choices()}")
+    if requested != "auto":
+        try:
+            declared = _declared_kv_algo(source)
+        except ConfigError:  # the flag decides: an unreadable declaration is moot
+            declared = None
+        if declared is not None:
+            log(f"KV cache dtype: --kv-cache-dtype {requested} overrides the checkpoint's "
+                f"{declared[1]} {declared[0]!r}")
+        return KV_CACHE_STORAGE[requested]
+    declared = _declared_kv_algo(source)
+    if declared is None:
         return model_dtype
-    if requested in ("float16", "fp8_e5m2"):
-        raise ConfigError(f"--kv-cache-dtype {requested} is not supported; "
-                          "use auto, bfloat16 or float32")
-    if requested in ("fp8", "fp8_e4m3"):
-        raise ConfigError(f"--kv-cache-dtype {requested} is not implemented yet; "
-                          "use auto, bfloat16 or float32")
-    return {"bfloat16": torch.bfloat16, "float32": torch.float32}[requested]
+    algo, where = declared
+    value = CHECKPOINT_KV_ALGOS.get(algo.lower())
+    if value is None:
+        raise ConfigError(
+            f"the checkpoint's {where} is {algo!r}, a KV-cache quantization this engine does "
+            f"not implement (it implements 'FP8', stored as fp8_e4m3); pass --kv-cache-dtype "
+            f"bfloat16 or float32 to serve with an unquantized KV cache")
+    log(f"KV cache dtype: {value} (1-byte pages, per-layer k_scale/v_scale), as the "
+        f"checkpoint's {where} {algo!r} declares; --kv-cache-dtype overrides it")
+    return KV_CACHE_STORAGE[value]
+
+
+def _declared_kv_algo(source: ModelSource | None) -> tuple[str, str] | None:
+    from vllmpy.loader.hf_config import declared_kv_cache_quant_algo
+
+    if source is None:
+        return None
+    # hf_quant_config.json sits next to config.json; a GGUF file carries neither
+    model_dir = source.path if source.kind in ("hf_dir", "dummy") else None
+    try:
+        return declared_kv_cache_quant_algo(source.hf_config, model_dir)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
+def _check_kv_dtype_on_device(kv_dtype: torch.dtype, device: str) -> None:
+    if kv_dtype != torch.float8_e4m3fn or device != "cuda":
+        return
+    capability = torch.cuda.get_device_capability()
+    if capability < FP8_MIN_CAPABILITY:
+        raise ConfigError(
+            f"--kv-cache-dtype fp8 needs a GPU of compute capability "
+            f"{FP8_MIN_CAPABILITY[0]}.{FP8_MIN_CAPABILITY[1]} or newer for its fp8 e4m3 "
+            f"loads; this one is {capability[0]}.{capability[1]}: use --kv-cache-dtype "
+            f"bfloat16 (or auto)")
 
 
 def _bytes_per_block(text: TextModelConfig, block_size: int, kv_dtype: torch.dtype) -> int:
+    """One block across every layer, keys and values, at the KV storage dtype."""
     elem = torch.empty((), dtype=kv_dtype).element_size()
     return (2 * text.num_hidden_layers * block_size * text.num_key_value_heads
             * text.head_dim * elem)
 
 
-def _resolve_num_blocks(args: EngineArgs, bytes_per_block: int) -> int:
+def _resolve_num_blocks(args: EngineArgs, bytes_per_block: int, device: str) -> int:
+    """Blocks per layer; 0 on CUDA when no flag sizes the pool: the engine then sizes it
+    from the memory left under --gpu-memory-utilization once the model is loaded."""
     if args.num_blocks is not None and args.kv_cache_memory is not None:
         raise ConfigError("--num-blocks and --kv-cache-memory both size the KV pool; give one")
+    if not 0.0 < args.gpu_memory_utilization <= 1.0:
+        raise ConfigError(f"--gpu-memory-utilization must be in (0, 1], got "
+                          f"{args.gpu_memory_utilization}")
     if args.kv_cache_memory is None:
+        if args.num_blocks is None and device == "cuda":
+            return 0
         return args.num_blocks or DEFAULT_NUM_BLOCKS
     num_blocks = args.kv_cache_memory // bytes_per_block
     if num_blocks < 1:
@@ -60,27 +152,54 @@ def _resolve_num_blocks(args: EngineArgs, bytes_per_block: int) -> int:
     return num_blocks
 
 
-def _resolve_max_model_len(args: EngineArgs, text: TextModelConfig, cache: CacheConfig) -> int:
+def _resolve_max_model_len(args: EngineArgs, text: TextModelConfig,
+                           cache: CacheConfig) -> tuple[int, str]:
+    """(serving length, how it was chosen) -- fitted to the pool without --max-model-len
+    (vLLM's _auto_fit_max_model_len), checked against it with (_check_enough_kv_cache_memory)."""
     limit = text.max_position_embeddings
     pool = cache.num_tokens
     if args.max_model_len is None:
         fitted = min(limit, pool)
-        why = ("the model's max_position_embeddings" if limit <= pool else
-               f"the KV pool ({cache.num_blocks} blocks x {cache.block_size} tokens)")
-        log(f"max_model_len not set: fitted to {why}: {fitted} tokens")
-        return fitted
+        why = ("the model's max_position_embeddings" if limit <= pool else "the KV pool")
+        return fitted, f"auto-fitted to {why}; --max-model-len sets it"
     if args.max_model_len > limit:
         raise ConfigError(f"--max-model-len {args.max_model_len} exceeds the model's "
                           f"max_position_embeddings ({limit})")
     if args.max_model_len > pool:
-        need = -(-args.max_model_len // cache.block_size)
-        raise ConfigError(
-            f"--max-model-len {args.max_model_len} needs {need} KV blocks of "
-            f"{cache.block_size} tokens, but the pool has {cache.num_blocks} blocks "
-            f"({pool} tokens, {cache.num_blocks * cache.bytes_per_block} bytes); raise "
-            f"--num-blocks to {need} or --kv-cache-memory to "
-            f"{need * cache.bytes_per_block}, or lower --max-model-len to {pool}")
-    return args.max_model_len
+        raise ConfigError(_pool_too_small(args, text, cache))
+    return args.max_model_len, "--max-model-len"
+
+
+def _pool_too_small(args: EngineArgs, text: TextModelConfig, cache: CacheConfig) -> str:
+    """The refusal of a --max-model-len the pool cannot hold: the arithmetic and every flag
+    that closes the gap."""
+    assert args.max_model_len is not None
+    need = -(-args.max_model_len // cache.block_size)
+    dtype = kv_cache_dtype_name(cache.kv_cache_dtype)
+    fixes = [f"raise --num-blocks to {need}",
+             f"--kv-cache-memory to {need * cache.bytes_per_block}"]
+    fp8_block = _bytes_per_block(text, cache.block_size, torch.float8_e4m3fn)
+    if (args.kv_cache_memory is not None and cache.kv_cache_dtype != torch.float8_e4m3fn
+            and args.kv_cache_memory // fp8_block >= need):
+        fixes.append(f"use --kv-cache-dtype fp8 (1-byte pages: the same --kv-cache-memory "
+                     f"holds {args.kv_cache_memory // fp8_block * cache.block_size} tokens)")
+    fixes.append(f"lower --max-model-len to {cache.num_tokens}")
+    return (f"--max-model-len {args.max_model_len} needs {need} KV blocks of "
+            f"{cache.block_size} tokens ({need * cache.bytes_per_block} bytes at {dtype}, "
+            f"{cache.bytes_per_block} bytes per block across all {text.num_hidden_layers} "
+            f"layers), but the pool has {cache.num_blocks} blocks ({cache.num_tokens} tokens, "
+            f"{cache.num_blocks * cache.bytes_per_block} bytes); "
+            + ", ".join(fixes[:-1]) + f", or {fixes[-1]}")
+
+
+def _startup_line(args: EngineArgs, cache: CacheConfig, max_model_len: int, how: str) -> str:
+    elem = cache.kv_cache_dtype.itemsize
+    sized = (f", sized by --kv-cache-memory {args.kv_cache_memory}"
+             if args.kv_cache_memory is not None else "")
+    return (f"KV cache: {cache.num_blocks} blocks x {cache.block_size} tokens = "
+            f"{cache.num_tokens} tokens, {cache.num_blocks * cache.bytes_per_block} bytes "
+            f"({kv_cache_dtype_name(cache.kv_cache_dtype)}, {elem}-byte values{sized}); "
+            f"max_model_len {max_model_len} ({how})")
 
 
 def build_engine_config(args: EngineArgs, source: ModelSource | None = None) -> EngineConfig:
@@ -88,30 +207,40 @@ def build_engine_config(args: EngineArgs, source: ModelSource | None = None) -> 
 
     if args.block_size <= 0 or args.max_num_seqs <= 0:
         raise ConfigError("--block-size and --max-num-seqs must be positive")
+    _check_scheduling_policy(args)
     device = resolve_device(args.device)
     if source is None:
         source = resolve_model_source(args.model, load_format=args.load_format,
                                       revision=args.revision, download_dir=args.download_dir)
     text = TextModelConfig.from_hf_config(source.hf_config)
     dtype = resolve_torch_dtype(source.hf_config, args.dtype, device)
-    kv_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, dtype)
+    kv_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, dtype, source)
+    _check_kv_dtype_on_device(kv_dtype, device)
     per_block = _bytes_per_block(text, args.block_size, kv_dtype)
     cache = CacheConfig(
         block_size=args.block_size,
-        num_blocks=_resolve_num_blocks(args, per_block),
+        num_blocks=_resolve_num_blocks(args, per_block, device),
         kv_cache_dtype=kv_dtype,
         kv_cache_dtype_requested=args.kv_cache_dtype,
         bytes_per_block=per_block,
+        enable_prefix_caching=bool(args.enable_prefix_caching),
+        gpu_memory_utilization=args.gpu_memory_utilization,
     )
-    max_model_len = _resolve_max_model_len(args, text, cache)
+    if cache.num_blocks == 0:  # sized after the memory profile (finish_profiled_pool)
+        max_model_len = args.max_model_len or text.max_position_embeddings
+        if max_model_len > text.max_position_embeddings:
+            raise ConfigError(f"--max-model-len {max_model_len} exceeds the model's "
+                              f"max_position_embeddings ({text.max_position_embeddings})")
+        how = "--max-model-len" if args.max_model_len else "the model's max_position_embeddings"
+    else:
+        max_model_len, how = _resolve_max_model_len(args, text, cache)
     if text.sliding_window is not None and max_model_len > text.sliding_window:
         raise ConfigError(
             f"the model attends within a sliding window of {text.sliding_window} tokens, "
             f"which is not implemented; serve at most that many with --max-model-len "
             f"{text.sliding_window} (the resolved length is {max_model_len})")
-    log(f"KV cache: {cache.num_blocks} blocks x {cache.block_size} tokens = "
-        f"{cache.num_tokens} tokens, {cache.num_blocks * per_block} bytes "
-        f"({str(kv_dtype).removeprefix('torch.')})")
+    if cache.num_blocks:
+        log(_startup_line(args, cache, max_model_len, how))
     model = ModelConfig(
         model=source.model,
         source_kind=source.kind,
@@ -125,7 +254,49 @@ def build_engine_config(args: EngineArgs, source: ModelSource | None = None) -> 
         tokenizer_config=args.tokenizer_config,
         seed=args.seed,
     )
-    budget = args.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS
+    budget = args.max_num_batched_tokens or (
+        DEFAULT_MAX_NUM_BATCHED_TOKENS_CUDA if device == "cuda"
+        else DEFAULT_MAX_NUM_BATCHED_TOKENS)
     return EngineConfig(model=model, cache=cache,
-                        scheduler=SchedulerConfig(args.max_num_seqs, budget), device=device,
-                        enforce_eager=args.enforce_eager)
+                        scheduler=SchedulerConfig(args.max_num_seqs, budget,
+                                                  args.scheduling_policy),
+                        device=device, enforce_eager=args.enforce_eager,
+                        async_scheduling=(device == "cuda" if args.async_scheduling is None
+                                          else bool(args.async_scheduling)),
+                        enable_jump_forward=args.enable_jump_forward)
+
+
+def _check_scheduling_policy(args: EngineArgs) -> None:
+    if args.scheduling_policy not in SCHEDULING_POLICIES:
+        raise ConfigError(f"--scheduling-policy {args.scheduling_policy!r} is not a policy; "
+                          f"choose one of {', '.join(SCHEDULING_POLICIES)}")
+    if args.scheduling_policy == "lpm" and not args.enable_prefix_caching:
+        log("--scheduling-policy lpm orders by cached-prefix match, and prefix caching is "
+            "off: waiting requests are admitted in arrival order")
+
+
+def finish_profiled_pool(config: EngineConfig, kv_bytes: int, breakdown: str) -> EngineConfig:
+    """The config with the KV pool sized from ``kv_bytes`` (what the memory profile left
+    under --gpu-memory-utilization); refuses start-up when one sequence of max_model_len
+    does not fit, with the arithmetic and the flags that close the gap."""
+    cache, model = config.cache, config.model
+    num_blocks = max(0, kv_bytes) // cache.bytes_per_block
+    need = -(-model.max_model_len // cache.block_size)
+    if num_blocks < need:
+        raise ConfigError(
+            f"--gpu-memory-utilization {cache.gpu_memory_utilization} leaves "
+            f"{max(0, kv_bytes)} bytes for the KV cache ({breakdown}): {num_blocks} blocks "
+            f"of {cache.block_size} tokens, fewer than the {need} one sequence of "
+            f"max_model_len {model.max_model_len} needs ({cache.bytes_per_block} bytes per "
+            f"block); raise --gpu-memory-utilization, lower --max-model-len, use "
+            f"--kv-cache-dtype fp8, or size the pool with --num-blocks / --kv-cache-memory")
+    cache = dataclasses.replace(cache, num_blocks=num_blocks)
+    how = ("the model's max_position_embeddings; --max-model-len sets it"
+           if model.max_model_len_fitted else "--max-model-len")
+    log(f"KV cache: {num_blocks} blocks x {cache.block_size} tokens = {cache.num_tokens} "
+        f"tokens, {num_blocks * cache.bytes_per_block} bytes "
+        f"({kv_cache_dtype_name(cache.kv_cache_dtype)}, "
+        f"{cache.kv_cache_dtype.itemsize}-byte values, sized by --gpu-memory-utilization "
+        f"{cache.gpu_memory_utilization}: {breakdown}); max_model_len {model.max_model_len} "
+        f"({how})")
+    return dataclasses.replace(config, cache=cache)

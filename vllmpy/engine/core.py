@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -17,9 +18,10 @@ from vllmpy.core.sched_output import (
     SchedulerStats,
 )
 from vllmpy.core.scheduler import Scheduler
-from vllmpy.loader.source import ModelSource
+from vllmpy.loader.source import ModelSource, load_tokenizer
 from vllmpy.sampling_params import SamplingParams
-from vllmpy.worker.model_runner import ModelRunner
+from vllmpy.structured_output.manager import StructuredOutputManager
+from vllmpy.worker.model_runner import ModelRunner, StepHandle
 
 
 @dataclass
@@ -31,6 +33,8 @@ class EngineCoreRequest:
     sampling_params: SamplingParams
     max_tokens: int  # resolved by the frontend, >= 1
     arrival_time: float
+    priority: int = 0  # lower first, under the priority scheduling policy
+    cache_salt: str | None = None  # shares cached KV only with requests of the same salt
 
 
 class EngineCore:
@@ -41,31 +45,59 @@ class EngineCore:
     UTILITY_METHODS = frozenset({"get_stats", "reset_prefix_cache"})
 
     def __init__(self, config: EngineConfig, source: ModelSource) -> None:
-        self.config = config
         self.model_runner = ModelRunner(config)
         self.model_runner.load_model(source)
+        if config.cache.num_blocks == 0:  # CUDA: the pool takes what the profile leaves
+            from vllmpy.engine.configure import finish_profiled_pool
+
+            config = finish_profiled_pool(config, *self.model_runner.profile_kv_budget())
+            self.model_runner.config = config
+        self.config = config
         self.model_runner.initialize_kv_cache()
-        self.kv_cache_manager = KVCacheManager(config.cache.num_blocks, config.cache.block_size)
+        self.kv_cache_manager = KVCacheManager(config.cache.num_blocks, config.cache.block_size,
+                                               config.cache.enable_prefix_caching)
+        # Grammars compile on its worker threads; the tokenizer loads there on first use.
+        self.structured_output_manager = StructuredOutputManager(
+            vocab_size=config.model.text_config.vocab_size,
+            stop_token_ids=config.model.eos_token_ids,
+            load_tokenizer=lambda: load_tokenizer(source, config.model.tokenizer_config),
+            enable_jump_forward=config.enable_jump_forward,
+        )
         self.scheduler = Scheduler(
             self.kv_cache_manager,
             max_num_seqs=config.scheduler.max_num_seqs,
             max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
             max_model_len=config.model.max_model_len,
+            policy=config.scheduler.policy,
+            structured_output_manager=self.structured_output_manager,
         )
         self.eos_token_ids = set(config.model.eos_token_ids)
         # Requests whose first output has not been sent yet -> when they were first
         # scheduled (None until then).
         self._first_scheduled: dict[str, float | None] = {}
+        # Async scheduling: the launched step whose results are not read yet.
+        self._inflight: tuple[SchedulerOutput, StepHandle] | None = None
+        # Everything built so far lives as long as the engine: keep it out of the
+        # collector's generations so a collection never walks it mid-step.
+        gc.collect()
+        gc.freeze()
 
     def add_request(self, req: EngineCoreRequest) -> None:
-        self.scheduler.add_request(Request(
+        request = Request(
             request_id=req.request_id,
             prompt_token_ids=req.prompt_token_ids,
             sampling_params=req.sampling_params,
             eos_token_ids=self.eos_token_ids,
             max_tokens=req.max_tokens,
             arrival_time=req.arrival_time,
-        ))
+            priority=req.priority,
+            cache_salt=req.cache_salt,
+        )
+        structured = req.sampling_params.structured_outputs
+        if structured is not None:  # its grammar starts compiling now, off the step loop
+            request.structured_output_request = self.structured_output_manager.grammar_init(
+                req.request_id, structured)
+        self.scheduler.add_request(request)
         self._first_scheduled[req.request_id] = None
 
     def abort_requests(self, req_ids: list[str]) -> None:
@@ -74,9 +106,11 @@ class EngineCore:
             self._first_scheduled.pop(req_id, None)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or self._inflight is not None
 
     def step(self) -> EngineCoreOutputs:
+        if self.config.async_scheduling:
+            return self._step_async()
         if not self.scheduler.has_unfinished_requests():
             return self.make_outputs([])
         scheduler_output = self.scheduler.schedule()
@@ -86,6 +120,38 @@ class EngineCore:
         if envs.VT_ENGINE_STEP_LOG:
             self._log_step(scheduler_output)
         return self.make_outputs(outputs, scheduler_output.total_num_scheduled_tokens)
+
+    def _step_async(self) -> EngineCoreOutputs:
+        """Async scheduling: while step N runs on the device, schedule and launch step
+        N+1, then read N's sampled ids and update. The host's work for one step overlaps
+        the device's for the next. N+1 is launched ahead only when nothing it samples
+        depends on N's tokens (see ModelRunner.overlap_safe)."""
+        try:
+            if self._inflight is None:
+                if not self.scheduler.has_unfinished_requests():
+                    return self.make_outputs([])
+                first = self.scheduler.schedule()
+                self._record_first_scheduled(first)
+                self._inflight = (first, self.model_runner.launch(first))
+            current, handle = self._inflight
+            ahead = None
+            if self.model_runner.overlap_safe and not self.scheduler.has_grammar_requests():
+                self.scheduler.on_launched(current)
+                nxt = self.scheduler.schedule()
+                self._record_first_scheduled(nxt)
+                ahead = (nxt, self.model_runner.launch(nxt))
+            outputs = self.scheduler.update_from_output(current, handle.result())
+            if ahead is not None and not self.scheduler.has_unfinished_requests():
+                # every request of the step launched ahead has finished since: drain it
+                outputs += self.scheduler.update_from_output(ahead[0], ahead[1].result())
+                ahead = None
+            self._inflight = ahead
+        except BaseException:
+            self._inflight = None
+            raise
+        if envs.VT_ENGINE_STEP_LOG:
+            self._log_step(current)
+        return self.make_outputs(outputs, current.total_num_scheduled_tokens)
 
     def fail_running_requests(self, error: str) -> EngineCoreOutputs:
         """After a step raised: end every request in the running batch (the runner's state
@@ -114,11 +180,16 @@ class EngineCore:
             kv_cache_usage=self.kv_cache_manager.usage,
             num_preemptions_total=self.scheduler.num_preemptions_total,
             num_scheduled_tokens=num_scheduled_tokens,
+            prefix_cache_queries_total=self.kv_cache_manager.prefix_cache_queries,
+            prefix_cache_hits_total=self.kv_cache_manager.prefix_cache_hits,
         )
 
     def reset_prefix_cache(self) -> bool:
-        """Drop every cached block. There is no prefix cache yet, so nothing is reset."""
-        return False
+        """Drop every cached block. Refused (False) while any request holds KV blocks, and
+        always False with prefix caching off."""
+        if not self.kv_cache_manager.enable_caching:
+            return False
+        return self.kv_cache_manager.reset_prefix_cache()
 
     def call_utility(self, method: str, *args: object) -> object:
         """Run one of ``UTILITY_METHODS`` by name; dataclass results become dicts so they

@@ -53,19 +53,22 @@ class AddRequestMsg(msgspec.Struct, array_like=True):
     sampling_params: dict[str, Any]
     max_tokens: int
     arrival_time: float
+    priority: int = 0
+    cache_salt: str | None = None
 
     @classmethod
     def from_request(cls, req: EngineCoreRequest) -> AddRequestMsg:
         params = {f.name: getattr(req.sampling_params, f.name)
                   for f in fields(SamplingParams) if f.init}
         return cls(req.request_id, req.prompt_token_ids, params, req.max_tokens,
-                   req.arrival_time)
+                   req.arrival_time, req.priority, req.cache_salt)
 
     def to_request(self) -> EngineCoreRequest:
         params = SamplingParams(**self.sampling_params)
         params.output_kind = RequestOutputKind(params.output_kind)
         return EngineCoreRequest(self.request_id, self.prompt_token_ids, params,
-                                 self.max_tokens, self.arrival_time)
+                                 self.max_tokens, self.arrival_time, self.priority,
+                                 self.cache_salt)
 
 
 class UtilityCall(msgspec.Struct, array_like=True):

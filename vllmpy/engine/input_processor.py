@@ -13,7 +13,7 @@ from vllmpy.engine.output_processor import child_request_id
 from vllmpy.sampling_params import SamplingParams
 
 # A prompt is text, a list of token ids, or vLLM's dict forms {"prompt": text} and
-# {"prompt_token_ids": ids}.
+# {"prompt_token_ids": ids}, either of which may add "cache_salt": str.
 PromptType = str | list[int] | dict[str, Any]
 
 
@@ -27,22 +27,32 @@ class ProcessedPrompt:
     core_requests: list[EngineCoreRequest]  # ids from child_request_id(request_id, i, n)
 
 
+def check_cache_salt(salt: Any) -> str | None:
+    """A cache salt is None or a non-empty string (vLLM's rule)."""
+    if salt is not None and (not isinstance(salt, str) or not salt):
+        raise ValueError(f"cache_salt must be a non-empty string if provided, got {salt!r}")
+    return salt
+
+
 class InputProcessor:
-    def __init__(self, model_config: ModelConfig, tokenizer: Any | None) -> None:
+    def __init__(self, model_config: ModelConfig, tokenizer: Any | None,
+                 scheduling_policy: str = "fcfs") -> None:
         self.model_config = model_config
         self.tokenizer = tokenizer
         self.vocab_size = model_config.text_config.vocab_size
+        self.scheduling_policy = scheduling_policy
 
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         """(prompt text or None, prompt token ids); raises ValueError on bad input."""
         if isinstance(prompt, dict):
-            keys = set(prompt)
+            keys = set(prompt) - {"cache_salt"}
             if keys == {"prompt"} and isinstance(prompt["prompt"], str):
                 return self.tokenize(prompt["prompt"])
             if keys == {"prompt_token_ids"}:
                 return self.tokenize(list(prompt["prompt_token_ids"]))
             raise ValueError(f"a prompt dict must be {{'prompt': str}} or "
-                             f"{{'prompt_token_ids': list[int]}}, got keys {sorted(keys)}")
+                             f"{{'prompt_token_ids': list[int]}} (either may add "
+                             f"'cache_salt'), got keys {sorted(prompt)}")
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("no tokenizer is loaded (--skip-tokenizer-init, or a dummy-"
@@ -70,8 +80,21 @@ class InputProcessor:
         cap = envs.VT_SERVER_MAX_NEW_TOKENS
         return min(room, cap) if cap is not None and cap > 0 else room
 
+    def check_priority(self, priority: int) -> None:
+        """A non-zero priority needs the priority policy (vLLM refuses it otherwise)."""
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise ValueError(f"priority must be an integer, got {priority!r}")
+        if priority != 0 and self.scheduling_policy != "priority":
+            raise ValueError(
+                f"Got priority {priority} but Priority scheduling is not enabled: this engine "
+                f"runs --scheduling-policy {self.scheduling_policy}; start it with "
+                f"--scheduling-policy priority, or send priority 0")
+
     def process(self, request_id: str, prompt_token_ids: list[int],
-                params: SamplingParams) -> EngineCoreRequest:
+                params: SamplingParams, priority: int = 0,
+                cache_salt: str | None = None) -> EngineCoreRequest:
+        self.check_priority(priority)
+        check_cache_salt(cache_salt)
         n = len(prompt_token_ids)
         if n == 0:
             raise ValueError("the prompt is empty: it must contain at least one token")
@@ -90,20 +113,30 @@ class InputProcessor:
             if not 0 <= t < self.vocab_size:
                 raise ValueError(f"logit_bias token id {t} is out of range for the "
                                  f"vocabulary of {self.vocab_size} tokens")
+        outside = [t for t in params.logprob_token_ids or () if not 0 <= t < self.vocab_size]
+        if outside:
+            raise ValueError(f"logprob_token_ids {outside} are outside the vocabulary of "
+                             f"{self.vocab_size} tokens")
         return EngineCoreRequest(
             request_id=request_id,
             prompt_token_ids=list(prompt_token_ids),
             sampling_params=params,
             max_tokens=self.resolve_max_tokens(params, n),
             arrival_time=time.time(),
+            priority=priority,
+            cache_salt=cache_salt,
         )
 
     def process_prompt(self, request_id: str, prompt: PromptType, params: SamplingParams,
-                       prompt_token_ids: list[int] | None = None) -> ProcessedPrompt:
+                       prompt_token_ids: list[int] | None = None,
+                       priority: int = 0) -> ProcessedPrompt:
         """Validate and tokenize a prompt and split it into ``params.n`` child requests
         (child i seeded with seed + i). Raises ValueError before anything is registered,
         so a refused prompt leaves no trace. ``prompt_token_ids``, when given, are used
-        instead of tokenizing ``prompt`` (whose text, if any, is kept for the output)."""
+        instead of tokenizing ``prompt`` (whose text, if any, is kept for the output).
+        A dict prompt's ``cache_salt`` goes to every child."""
+        salt = check_cache_salt(prompt.get("cache_salt")) if isinstance(prompt, dict) else None
+        self.check_priority(priority)
         if prompt_token_ids is None:
             text, ids = self.tokenize(prompt)
         else:
@@ -117,6 +150,7 @@ class InputProcessor:
             if params.seed is not None:
                 child.seed = params.seed + i
             children.append(child)
-        core_requests = [self.process(child_request_id(request_id, i, params.n), ids, p)
+        core_requests = [self.process(child_request_id(request_id, i, params.n), ids, p,
+                                      priority, salt)
                          for i, p in enumerate(children)]
         return ProcessedPrompt(text, ids, children, core_requests)

@@ -16,6 +16,7 @@ from vllmpy.loader.load_stats import LoadStats
 from vllmpy.loader.source import load_tokenizer, resolve_model_source
 from vllmpy.outputs import RequestMetrics, RequestOutput
 from vllmpy.sampling_params import RequestOutputKind, SamplingParams
+from vllmpy.structured_output import validate_structured_outputs
 
 Message = dict[str, Any]
 
@@ -41,9 +42,11 @@ class LLM:
             self.tokenizer = load_tokenizer(self.source, args.tokenizer_config,
                                             skip=args.skip_tokenizer_init)
         stats.report()
-        self.input_processor = InputProcessor(self.config.model, self.tokenizer)
+        self.input_processor = InputProcessor(self.config.model, self.tokenizer,
+                                              self.config.scheduler.policy)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.engine = InprocClient(self.config, self.source)
+        self.config = self.engine.engine_core.config  # with the pool as the core sized it
         self._counter = itertools.count()
         self._metrics: dict[str, RequestMetrics] = {}  # per unfinished request
 
@@ -52,11 +55,12 @@ class LLM:
 
     # ---- requests -----------------------------------------------------------------------
 
-    def add_request(self, prompt: PromptType, sampling_params: SamplingParams) -> str:
+    def add_request(self, prompt: PromptType, sampling_params: SamplingParams,
+                    priority: int = 0) -> str:
         """Queue one prompt without waiting for it (vLLM's ``LLMEngine.add_request``);
         returns its request id. Drive it with ``step()``; its outputs come as
         ``sampling_params.output_kind`` asks."""
-        return self._add_request(prompt, sampling_params)
+        return self._add_request(prompt, sampling_params, priority)
 
     def step(self) -> list[RequestOutput]:
         """Run one engine step; returns the RequestOutputs it produced (vLLM's
@@ -66,9 +70,17 @@ class LLM:
     def has_unfinished_requests(self) -> bool:
         return self.output_processor.has_unfinished()
 
-    def _add_request(self, prompt: PromptType, params: SamplingParams) -> str:
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (vLLM's ``LLM.reset_prefix_cache``). False, with
+        nothing reset, while requests hold KV blocks or with prefix caching off."""
+        return self.engine.engine_core.reset_prefix_cache()
+
+    def _add_request(self, prompt: PromptType, params: SamplingParams,
+                     priority: int = 0) -> str:
+        validate_structured_outputs(params.structured_outputs, self.tokenizer is not None)
         request_id = str(next(self._counter))
-        processed = self.input_processor.process_prompt(request_id, prompt, params)
+        processed = self.input_processor.process_prompt(request_id, prompt, params,
+                                                        priority=priority)
         self.output_processor.add_request(request_id, processed.prompt,
                                           processed.prompt_token_ids, processed.child_params)
         self._metrics[request_id] = RequestMetrics(
@@ -137,17 +149,22 @@ class LLM:
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool = True, priority: Sequence[int] | None = None,
+                 ) -> list[RequestOutput]:
         """Generate completions for prompts (text, token-id lists, or vLLM's prompt dicts);
         one RequestOutput per prompt, in input order. ``use_tqdm`` shows a progress bar on
-        stderr, as vLLM does."""
+        stderr, as vLLM does. ``priority``: one per prompt (lower first), only with
+        ``scheduling_policy="priority"``."""
         prompt_list, params_list = self._normalize(prompts, sampling_params)
+        priorities = list(priority) if priority is not None else [0] * len(prompt_list)
+        if len(priorities) != len(prompt_list):
+            raise ValueError(f"got {len(priorities)} priorities for {len(prompt_list)} prompts")
         order: dict[str, int] = {}
         try:
             for i, (prompt, params) in enumerate(zip(prompt_list, params_list)):
                 final = params.clone()
                 final.output_kind = RequestOutputKind.FINAL_ONLY
-                order[self._add_request(prompt, final)] = i
+                order[self._add_request(prompt, final, priorities[i])] = i
         except Exception:
             self._abort_all(list(order))
             raise

@@ -1,7 +1,11 @@
-"""Frontend output handling: token deltas -> text, stop strings, RequestOutputs.
+"""Frontend output handling: token deltas -> text, stop strings, logprobs, RequestOutputs.
 
 A prompt with ``n`` completions is sent to the core as ``n`` child requests; their
 outputs are gathered back into one RequestOutput per prompt here.
+
+Logprobs arrive as plain lists (``LogprobsLists``) and become vLLM's dicts of ``Logprob``
+here, each token's text decoded alone (and remembered). Prompt logprobs arrive one
+prefill chunk at a time, possibly before the first token; they are placed by position.
 """
 
 from __future__ import annotations
@@ -9,8 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from vllmpy.core.sched_output import EngineCoreOutput
-from vllmpy.outputs import CompletionOutput, RequestOutput
+from vllmpy.core.sched_output import EngineCoreOutput, LogprobsLists
+from vllmpy.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput, SampleLogprobs
 from vllmpy.sampling_params import RequestOutputKind, SamplingParams
 from vllmpy.tokenizer.detokenizer import IncrementalDetokenizer
 
@@ -26,6 +30,9 @@ class _ChildState:
     sent_tokens: int = 0
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    # Set when the request asked for logprobs: one dict per token of token_ids.
+    logprobs: SampleLogprobs | None = None
+    cumulative_logprob: float | None = None
 
 
 @dataclass
@@ -36,6 +43,9 @@ class _ParentState:
     kind: RequestOutputKind
     children: dict[str, _ChildState]
     num_cached_tokens: int = 0
+    # One entry per prompt token when the request asked for prompt logprobs.
+    prompt_logprobs: PromptLogprobs | None = None
+    prompt_logprobs_sent: bool = False  # handed out already (DELTA sends them once)
 
     @property
     def finished(self) -> bool:
@@ -51,6 +61,7 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.parents: dict[str, _ParentState] = {}
         self.child_to_parent: dict[str, str] = {}
+        self._token_texts: dict[int, str] = {}  # token id -> its text decoded alone
 
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
                     child_params: list[SamplingParams]) -> list[str]:
@@ -64,9 +75,14 @@ class OutputProcessor:
                                                skip_special_tokens=params.skip_special_tokens)
             child_id = child_request_id(request_id, i, n)
             children[child_id] = _ChildState(i, params, detok)
+            if params.logprobs is not None or params.logprob_token_ids:
+                children[child_id].logprobs, children[child_id].cumulative_logprob = [], 0.0
             self.child_to_parent[child_id] = request_id
-        self.parents[request_id] = _ParentState(request_id, prompt, prompt_token_ids,
-                                                child_params[0].output_kind, children)
+        parent = _ParentState(request_id, prompt, prompt_token_ids,
+                              child_params[0].output_kind, children)
+        if child_params[0].prompt_logprobs is not None:
+            parent.prompt_logprobs = [None] * len(prompt_token_ids)
+        self.parents[request_id] = parent
         return list(children)
 
     def has_unfinished(self) -> bool:
@@ -88,6 +104,10 @@ class OutputProcessor:
             if child.finish_reason is not None:
                 continue
             parent.num_cached_tokens = max(parent.num_cached_tokens, out.num_cached_tokens)
+            if out.new_prompt_logprobs is not None:
+                self._add_prompt_logprobs(parent, child, out.new_prompt_logprobs)
+            if not out.new_token_ids and not out.finished:
+                continue  # a prefill chunk's prompt logprobs, nothing to hand out yet
             if self._update_child(child, out):
                 to_abort.append(out.req_id)
             touched[parent_id] = parent
@@ -118,6 +138,8 @@ class OutputProcessor:
         params = child.params
         new_ids = out.new_token_ids
         child.token_ids.extend(new_ids)
+        if child.logprobs is not None:
+            self._add_logprobs(child, out.new_logprobs, len(new_ids))
         stopped_by_token = out.finish_reason == "stop"
         if child.detokenizer is not None:
             # A stop token's own text is left out unless asked for (vLLM's rule).
@@ -135,6 +157,54 @@ class OutputProcessor:
         if out.finished:
             child.finish_reason, child.stop_reason = out.finish_reason, out.stop_reason
         return False
+
+    def _add_logprobs(self, child: _ChildState, lists: LogprobsLists | None,
+                      num_new: int) -> None:
+        assert child.logprobs is not None and child.cumulative_logprob is not None
+        rows: list[dict[int, Logprob]] = []
+        if lists is not None:
+            lists = lists.head(num_new)
+            rows = self._logprob_dicts(child, lists)
+            child.cumulative_logprob += sum(values[0] for values in lists.logprobs)
+        # A token the core appended without sampling it (none today) has no logprobs.
+        rows.extend({} for _ in range(num_new - len(rows)))
+        child.logprobs.extend(rows[:num_new])
+
+    def _add_prompt_logprobs(self, parent: _ParentState, child: _ChildState,
+                             lists: LogprobsLists) -> None:
+        if parent.prompt_logprobs is None:
+            return
+        rows = self._logprob_dicts(child, lists)
+        end = min(lists.start + len(rows), len(parent.prompt_logprobs))
+        # Positions are absolute, so a chunk computed again (after a preemption, or by
+        # another of the n completions) lands on the same entries.
+        parent.prompt_logprobs[lists.start:end] = rows[:end - lists.start]
+
+    def _logprob_dicts(self, child: _ChildState,
+                       lists: LogprobsLists) -> list[dict[int, Logprob]]:
+        """One dict per row: the scored token first, then the rest in their order."""
+        decode = child.params.detokenize and self.tokenizer is not None
+        rows: list[dict[int, Logprob]] = []
+        for ids, values, ranks in zip(lists.token_ids, lists.logprobs, lists.ranks):
+            row: dict[int, Logprob] = {}
+            for token_id, value, rank in zip(ids, values, ranks):
+                if token_id not in row:  # the scored token may be among the top ones
+                    row[token_id] = Logprob(value, rank,
+                                            self._token_text(token_id) if decode else None)
+            rows.append(row)
+        return rows
+
+    def _token_text(self, token_id: int) -> str:
+        """A token's text decoded alone, special tokens included (as vLLM shows it)."""
+        text = self._token_texts.get(token_id)
+        if text is None:
+            assert self.tokenizer is not None
+            try:
+                text = self.tokenizer.decode([token_id], skip_special_tokens=False)
+            except ValueError:  # an id past the tokenizer's vocabulary (padded logits)
+                text = ""
+            self._token_texts[token_id] = text
+        return text
 
     @staticmethod
     def _find_stop_string(child: _ChildState, prev_len: int) -> str | None:
@@ -174,12 +244,23 @@ class OutputProcessor:
             if kind == RequestOutputKind.DELTA:
                 completions.append(CompletionOutput(
                     child.index, text[child.sent_text_len:], child.token_ids[child.sent_tokens:],
+                    cumulative_logprob=child.cumulative_logprob,
+                    logprobs=(None if child.logprobs is None
+                              else child.logprobs[child.sent_tokens:]),
                     finish_reason=child.finish_reason, stop_reason=child.stop_reason))
                 child.sent_text_len, child.sent_tokens = len(text), len(child.token_ids)
             else:
                 completions.append(CompletionOutput(
                     child.index, text, list(child.token_ids),
+                    cumulative_logprob=child.cumulative_logprob,
+                    logprobs=None if child.logprobs is None else list(child.logprobs),
                     finish_reason=child.finish_reason, stop_reason=child.stop_reason))
         completions.sort(key=lambda c: c.index)
+        prompt_logprobs = (None if parent.prompt_logprobs is None
+                           else list(parent.prompt_logprobs))
+        if kind == RequestOutputKind.DELTA and parent.prompt_logprobs_sent:
+            prompt_logprobs = None  # a stream carries them in its first output only
+        parent.prompt_logprobs_sent = True
         return RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids,
-                             completions, parent.finished, parent.num_cached_tokens)
+                             completions, parent.finished, parent.num_cached_tokens,
+                             prompt_logprobs=prompt_logprobs)

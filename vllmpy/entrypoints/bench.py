@@ -179,6 +179,19 @@ def build_requests(args: argparse.Namespace, vocab_size: int, forbidden: set[int
     return requests
 
 
+def warmup_requests(args: argparse.Namespace, requests: list[BenchRequest],
+                    vocab_size: int, forbidden: set[int], tokenizer: Any | None,
+                    as_text: bool) -> list[BenchRequest]:
+    """``args.warmup`` requests shaped like the timed ones. Random prompts are drawn
+    afresh (another seed), so a prefix cache gains nothing from the warm-up; dataset
+    prompts are the dataset's first ones."""
+    if args.dataset_path is not None:
+        return [requests[i % len(requests)] for i in range(args.warmup)]
+    warm = argparse.Namespace(**{**vars(args), "seed": args.seed + 1,
+                                 "num_prompts": args.warmup})
+    return build_requests(warm, vocab_size, forbidden, tokenizer, as_text)
+
+
 def _dataset_requests(args: argparse.Namespace, rng: np.random.Generator,
                       tokenizer: Any | None, as_text: bool) -> list[BenchRequest]:
     entries = args.dataset
@@ -272,8 +285,10 @@ def run_offline(args: argparse.Namespace) -> tuple[dict[str, Any], list[RequestR
     params = [_sampling_params(r.output_len, args.ignore_eos) for r in requests]
     if args.warmup:
         print(f"{PROG}: warmup: {args.warmup} request(s)", file=sys.stderr)
-        idx = [i % len(requests) for i in range(args.warmup)]
-        llm.generate([requests[i].prompt for i in idx], [params[i] for i in idx],
+        warm = warmup_requests(args, requests, vocab, forbidden, tokenizer,
+                               as_text=not pretokenize)
+        llm.generate([r.prompt for r in warm],
+                     [_sampling_params(r.output_len, args.ignore_eos) for r in warm],
                      use_tqdm=False)
     print(f"{PROG}: running {len(requests)} requests "
           f"(concurrency {args.concurrency or 'all'})", file=sys.stderr)
@@ -336,6 +351,8 @@ def engine_header(llm: Any, mode: str) -> dict[str, Any]:
         import torch
 
         device = f"cuda ({torch.cuda.get_device_name()})"
+    from vllmpy.engine.configure import kv_cache_dtype_name
+
     kv = cfg.cache.kv_cache_dtype
     return {"model": llm.source.display_name, "device": device,
             "dtype": str(cfg.model.dtype).removeprefix("torch."),
@@ -343,7 +360,7 @@ def engine_header(llm: Any, mode: str) -> dict[str, Any]:
             "num_blocks": cfg.cache.num_blocks, "max_num_seqs": cfg.scheduler.max_num_seqs,
             "max_num_batched_tokens": cfg.scheduler.max_num_batched_tokens, "mode": mode,
             "kv_cache_dtype_requested": cfg.cache.kv_cache_dtype_requested,
-            "kv_cache_dtype": str(kv).removeprefix("torch."), "kv_bytes": kv.itemsize}
+            "kv_cache_dtype": kv_cache_dtype_name(kv), "kv_bytes": kv.itemsize}
 
 
 # ---- serving mode -----------------------------------------------------------------------
@@ -362,10 +379,11 @@ def run_serving(args: argparse.Namespace) -> tuple[dict[str, Any], list[RequestR
         config = info.json()["vllm_config"]
     except (httpx.HTTPError, KeyError, ValueError) as e:
         raise UsageError(f"--base-url {args.base_url}: GET /server_info failed: {e}") from None
-    requests = build_requests(args, *_serving_vocab(args, config), tokenizer=None,
-                              as_text=True)
+    vocab = _serving_vocab(args, config)
+    requests = build_requests(args, *vocab, tokenizer=None, as_text=True)
+    warm = warmup_requests(args, requests, *vocab, tokenizer=None, as_text=True)
     header = serving_header(config)
-    return header, *asyncio.run(_serve_all(args, base, config, requests))
+    return header, *asyncio.run(_serve_all(args, base, config, requests, warm))
 
 
 def _serving_vocab(args: argparse.Namespace, config: dict[str, Any]) -> tuple[int, set[int]]:
@@ -399,7 +417,8 @@ def serving_header(config: dict[str, Any]) -> dict[str, Any]:
 
 
 async def _serve_all(args: argparse.Namespace, base: str, config: dict[str, Any],
-                     requests: list[BenchRequest]) -> tuple[list[RequestResult], float]:
+                     requests: list[BenchRequest], warm: list[BenchRequest]
+                     ) -> tuple[list[RequestResult], float]:
     import asyncio
 
     import httpx
@@ -414,8 +433,8 @@ async def _serve_all(args: argparse.Namespace, base: str, config: dict[str, Any]
             async with limit:
                 return await stream_completion(client, url, model, req, args.ignore_eos)
 
-        for i in range(args.warmup):
-            await one(requests[i % len(requests)])
+        for req in warm:
+            await one(req)
         print(f"{PROG}: sending {len(requests)} requests (concurrency "
               f"{args.concurrency or 'all'}, rate {args.request_rate}/s)", file=sys.stderr)
         start = time.perf_counter()

@@ -37,10 +37,11 @@ def rotary_torch(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
     """Rotate-half rotary on q and k ([num_tokens, num_heads * head_dim]) in fp32, with
     ``cos_sin_cache`` [max_position, head_dim] (cos first half, sin second)."""
     cos, sin = cos_sin_cache[positions].unsqueeze(1).chunk(2, dim=-1)
-    q_shape, k_shape = q.shape, k.shape
-    q = _rotate(q.view(q.shape[0], -1, head_dim), cos, sin)
-    k = _rotate(k.view(k.shape[0], -1, head_dim), cos, sin)
-    return q.reshape(q_shape), k.reshape(k_shape)
+    n, q_size, k_size = q.shape[0], math.prod(q.shape[1:]), math.prod(k.shape[1:])
+    # q and k in one pass (fewer ops): [num_tokens, num_heads + num_kv_heads, head_dim]
+    qk = torch.cat([q.reshape(n, q_size), k.reshape(n, k_size)], dim=-1).view(n, -1, head_dim)
+    q_out, k_out = _rotate(qk, cos, sin).view(n, -1).split([q_size, k_size], dim=-1)
+    return q_out.view(q.shape), k_out.view(k.shape)
 
 
 class RotaryEmbedding(nn.Module):

@@ -6,7 +6,8 @@ This module turns both into what the rest of the engine already understands:
 
 * ``open_gguf(path)`` reads the metadata and builds a config.json-shaped dict;
 * ``iter_gguf_weights(ckpt, dtype)`` yields ``(hf_name, tensor)`` pairs, each tensor
-  dequantized to ``dtype`` in the Hugging Face layout ``[out_features, in_features]``.
+  dequantized to ``dtype`` in the Hugging Face layout ``[out_features, in_features]``
+  (for Q4_0 / Q4_1 / Q8_0 matrices, a ``QuantizedTensor`` that stands for it).
 
 Everything the loader does not understand (architecture, tensor type, tensor name,
 metadata it cannot express) is refused with a ``GGUFLoadError`` that names the thing,
@@ -26,6 +27,7 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType as QType
 
+from vllmpy.layers.quantized import QUANT_TYPES, QuantizedTensor
 from vllmpy.loader.gguf_file import GGUFFile, open_gguf_file
 
 
@@ -40,8 +42,10 @@ ARCHITECTURES: dict[str, str] = {
     "qwen3": "Qwen3ForCausalLM",
 }
 
-# Tensor types we dequantize (all through gguf.quants.dequantize). The k-quants without a
-# real file in the tests (Q2_K, Q3_K, Q5_K) and Q5_1 go through the same numpy code path.
+# Tensor types we load. Matrices of the types in layers.quantized.QUANT_TYPES stay
+# quantized (QuantizedTensor); the rest is dequantized through gguf.quants.dequantize. The
+# k-quants without a real file in the tests (Q2_K, Q3_K, Q5_K) and Q5_1 go through the same
+# numpy code path.
 SUPPORTED_TYPES: frozenset[QType] = frozenset({
     QType.F32, QType.F16, QType.BF16,
     QType.Q4_0, QType.Q4_1, QType.Q5_0, QType.Q5_1, QType.Q8_0,
@@ -285,16 +289,36 @@ def iter_gguf_weights(
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(hf_name, tensor)`` for every weight, dequantized to ``dtype`` in HF layout.
 
+    A 2-D Q4_0, Q4_1 or Q8_0 weight comes as a ``QuantizedTensor``: it behaves as the
+    dequantized tensor, and a layer that can run it quantized reads its blocks instead.
     All names and types are checked before the first tensor is yielded. For ``llama``,
     llama.cpp's rotary row interleaving of attn_q / attn_k (weights and biases) is undone.
     Tied checkpoints (no ``output.weight``) yield no ``lm_head.weight``; the model ties it
     to the embedding.
     """
     for tensor, hf_name, rotary_heads in _plan(ckpt):
-        weight = _dequantize(tensor, dtype)
+        if tensor.tensor_type.name in QUANT_TYPES and len(tensor.shape) == 2:
+            weight = _quantized(tensor, dtype)
+            if rotary_heads is not None:
+                weight = weight.with_blocks(
+                    unpermute_rotary_rows(weight.blocks, rotary_heads, tensor.name))
+            yield hf_name, weight
+            continue
+        dense = _dequantize(tensor, dtype)
         if rotary_heads is not None:
-            weight = unpermute_rotary_rows(weight, rotary_heads, tensor.name)
-        yield hf_name, weight
+            dense = unpermute_rotary_rows(dense, rotary_heads, tensor.name)
+        yield hf_name, dense
+
+
+def _quantized(tensor: Any, dtype: torch.dtype) -> QuantizedTensor:
+    """One reader tensor's blocks, copied out of the memory map, as a ``QuantizedTensor``
+    that stands for its dequantized ``dtype`` weights of HF shape [out, in]."""
+    hf_shape = (int(tensor.shape[1]), int(tensor.shape[0]))
+    try:
+        return QuantizedTensor(tensor.tensor_type.name, hf_shape,
+                               torch.from_numpy(np.array(tensor.data)), dtype)
+    except ValueError as e:
+        raise GGUFLoadError(f"tensor {tensor.name!r}: {e}") from None
 
 
 def _dequantize(tensor: Any, dtype: torch.dtype) -> torch.Tensor:

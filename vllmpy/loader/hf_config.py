@@ -126,3 +126,39 @@ def resolve_torch_dtype(
             f"use; pass --dtype as one of {', '.join(DTYPES)}"
         )
     return DTYPES[name]
+
+
+HF_QUANT_CONFIG_FILE = "hf_quant_config.json"
+
+
+def declared_kv_cache_quant_algo(
+    hf_config: dict[str, Any], model_dir: str | os.PathLike[str] | None
+) -> tuple[str, str] | None:
+    """The KV-cache quantization a checkpoint declares, as ``(algorithm, where)``, or None.
+
+    Looked for in config.json ``quantization_config.kv_cache_quant_algo`` first, then in a
+    standalone ``hf_quant_config.json`` next to it (``{"quantization":
+    {"kv_cache_quant_algo": ...}}``, as ModelOpt writes it). ``where`` names the file and
+    key the value came from. A null value declares nothing. An ``hf_quant_config.json`` that
+    is present but unreadable is refused naming its path: it may change how the cache is
+    stored, so it is never skipped silently.
+    """
+    quant = hf_config.get("quantization_config")
+    if isinstance(quant, dict) and quant.get("kv_cache_quant_algo") is not None:
+        return (str(quant["kv_cache_quant_algo"]),
+                f"{CONFIG_FILE} quantization_config.kv_cache_quant_algo")
+    if model_dir is None:
+        return None
+    path = os.path.join(os.fspath(model_dir), HF_QUANT_CONFIG_FILE)
+    if not os.path.isfile(path):
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path} could not be read as JSON: {e}") from e
+    quant = data.get("quantization") if isinstance(data, dict) else None
+    if isinstance(quant, dict) and quant.get("kv_cache_quant_algo") is not None:
+        return (str(quant["kv_cache_quant_algo"]),
+                f"{HF_QUANT_CONFIG_FILE} quantization.kv_cache_quant_algo")
+    return None

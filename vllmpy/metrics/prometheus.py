@@ -98,6 +98,7 @@ class PrometheusStatLogger:
         self._lock = threading.Lock()
         self._requests: dict[str, _RequestProgress] = {}
         self._last_preemptions_total = 0
+        self._last_prefix_cache_totals = (0, 0)  # (queries, hits) the engine last reported
         self._declare_scheduler_metrics()
         self._declare_request_metrics(max_model_len)
 
@@ -181,6 +182,8 @@ class PrometheusStatLogger:
         usage = getattr(stats, "kv_cache_usage", None)
         preemptions = getattr(stats, "num_preemptions_total", None)
         scheduled = getattr(stats, "num_scheduled_tokens", None)
+        queries = getattr(stats, "prefix_cache_queries_total", None)
+        hits = getattr(stats, "prefix_cache_hits_total", None)
         with self._lock:
             if running is not None:
                 self.gauge_running.set(running)
@@ -198,6 +201,8 @@ class PrometheusStatLogger:
                 self._last_preemptions_total = preemptions
             if scheduled:
                 self.histogram_iteration_tokens.observe(scheduled)
+            if queries is not None and hits is not None:
+                self._record_prefix_cache_totals(queries, hits)
 
     def record_prefix_cache(self, queries: int, hits: int) -> None:
         """Count tokens looked up in the prefix cache and how many of them were cached."""
@@ -239,6 +244,18 @@ class PrometheusStatLogger:
         return len(self._requests)
 
     # ---- helpers (called under the lock) ----------------------------------------------
+
+    def _record_prefix_cache_totals(self, queries: int, hits: int) -> None:
+        """The engine reports running totals; count what is new since the last report
+        (all of it after a restart, when the totals go down)."""
+        last_queries, last_hits = self._last_prefix_cache_totals
+        if queries < last_queries or hits < last_hits:
+            last_queries, last_hits = 0, 0
+        self._last_prefix_cache_totals = (queries, hits)
+        if queries > last_queries:
+            self.counter_prefix_cache_queries.inc(queries - last_queries)
+        if hits > last_hits:
+            self.counter_prefix_cache_hits.inc(hits - last_hits)
 
     def _count_prompt(self, out: RequestOutputLike,
                       metrics: RequestMetricsLike | None) -> None:

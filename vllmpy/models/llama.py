@@ -10,8 +10,8 @@ from torch import nn
 
 from vllmpy.attention.metadata import AttentionMetadata
 from vllmpy.config import TextModelConfig
-from vllmpy.layers.attention import Attention
-from vllmpy.layers.linear import Linear, PackedLinear
+from vllmpy.layers.attention import Attention, KVScaleLoader
+from vllmpy.layers.linear import Linear, PackedLinear, tie_quantized_lm_head
 from vllmpy.layers.mlp import GatedMLP
 from vllmpy.layers.norm import RMSNorm
 from vllmpy.layers.rotary import RotaryEmbedding
@@ -107,13 +107,16 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """[num_sampled, hidden_size] -> [num_sampled, vocab_size]"""
-        weight = (self.model.embed_tokens.weight if self.lm_head is None
-                  else self.lm_head.weight)
-        return torch.nn.functional.linear(hidden_states, weight)
+        if self.lm_head is not None:
+            return self.lm_head(hidden_states)
+        return torch.nn.functional.linear(hidden_states, self.model.embed_tokens.weight)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load checkpoint tensors (Hugging Face names); returns the parameter names loaded."""
         skip: tuple[str, ...] = ("rotary_emb.inv_freq",)
         if self.config.tie_word_embeddings:
             skip += ("lm_head.weight",)
-        return load_packed_weights(self, weights, PACKED_MODULES, skip)
+            weights = tie_quantized_lm_head(self, weights)  # a 4-bit copy, if it pays
+        scales = KVScaleLoader(self)  # k_scale / v_scale go to the attention layers
+        return load_packed_weights(self, scales.filter(weights), PACKED_MODULES,
+                                   skip) | scales.loaded

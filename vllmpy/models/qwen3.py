@@ -10,8 +10,8 @@ from torch import nn
 
 from vllmpy.attention.metadata import AttentionMetadata
 from vllmpy.config import TextModelConfig
-from vllmpy.layers.attention import Attention
-from vllmpy.layers.linear import Linear, PackedLinear
+from vllmpy.layers.attention import Attention, KVScaleLoader
+from vllmpy.layers.linear import Linear, PackedLinear, tie_quantized_lm_head
 from vllmpy.layers.mlp import GatedMLP
 from vllmpy.layers.norm import RMSNorm
 from vllmpy.layers.rotary import RotaryEmbedding
@@ -52,6 +52,13 @@ class Qwen3Attention(nn.Module):
         qkv = self.qkv_proj(hidden_states)  # [num_tokens, q_size + 2 * kv_size]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         n = q.shape[0]
+        if q.is_cuda:
+            from vllmpy.ops.fused import qk_norm_rotary  # both norms and rotary: one launch
+
+            q, k = qk_norm_rotary(positions, q, k, self.q_norm.weight, self.k_norm.weight,
+                                  self.q_norm.eps, self.rotary_emb.cos_sin_cache(q.device),
+                                  self.head_dim)
+            return self.o_proj(self.attn(q, k, v, attn_metadata))
         # per-head norms: [num_tokens, heads, head_dim] -> back to [num_tokens, heads * head_dim]
         q = self.q_norm(q.reshape(n, self.num_heads, self.head_dim)).view(n, self.q_size)
         k = self.k_norm(k.reshape(n, self.num_kv_heads, self.head_dim)).view(n, self.kv_size)
@@ -113,13 +120,16 @@ class Qwen3ForCausalLM(nn.Module):
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """[num_sampled, hidden_size] -> [num_sampled, vocab_size]"""
-        weight = (self.model.embed_tokens.weight if self.lm_head is None
-                  else self.lm_head.weight)
-        return torch.nn.functional.linear(hidden_states, weight)
+        if self.lm_head is not None:
+            return self.lm_head(hidden_states)
+        return torch.nn.functional.linear(hidden_states, self.model.embed_tokens.weight)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load checkpoint tensors (Hugging Face names); returns the parameter names loaded."""
         skip: tuple[str, ...] = ("rotary_emb.inv_freq",)
         if self.config.tie_word_embeddings:
             skip += ("lm_head.weight",)
-        return load_packed_weights(self, weights, PACKED_MODULES, skip)
+            weights = tie_quantized_lm_head(self, weights)  # a 4-bit copy, if it pays
+        scales = KVScaleLoader(self)  # k_scale / v_scale go to the attention layers
+        return load_packed_weights(self, scales.filter(weights), PACKED_MODULES,
+                                   skip) | scales.loaded

@@ -7,7 +7,13 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from vllmpy.layers.linear import PackedLinear, default_weight_loader
+from vllmpy.config import log
+from vllmpy.layers.linear import (
+    Linear,
+    PackedLinear,
+    default_weight_loader,
+    describe_quantized_layers,
+)
 
 
 class WeightLoadError(ValueError):
@@ -43,11 +49,14 @@ def load_packed_weights(
         if target not in params:
             raise WeightLoadError(f"checkpoint tensor {name!r} has no matching model parameter")
         param = params[target]
+        module = modules[target.rpartition(".")[0]]
         if shard_id is None:
-            default_weight_loader(param, tensor, name)
+            if isinstance(module, Linear) and param is module.weight:
+                module.load_weight(tensor, name)  # may keep a quantized weight quantized
+            else:
+                default_weight_loader(param, tensor, name)
             loaded.add(target)
             continue
-        module = modules[target.rsplit(".", 1)[0]]
         assert isinstance(module, PackedLinear)
         module.weight_loader(param, tensor, shard_id, name)
         filled_shards.setdefault(target, set()).add(shard_id)
@@ -57,4 +66,6 @@ def load_packed_weights(
     if missing:
         raise WeightLoadError(
             f"checkpoint is missing {len(missing)} tensor(s) the model needs, e.g. {missing[:5]}")
+    if (line := describe_quantized_layers(model)) is not None:
+        log(line)
     return loaded

@@ -28,6 +28,13 @@ sum), and a second kernel merges the partials. ``choose_num_splits`` picks the c
 Every size the kernels need is either a device tensor or a launcher argument the caller
 knows on the host (``max_query_len``, ``max_seq_len``), so the launches can be captured
 in a CUDA graph.
+
+fp8 KV cache. A cache of dtype ``torch.float8_e4m3fn`` stores one byte per value:
+``reshape_and_cache`` writes ``clamp(x / scale, -448, 448)`` converted to e4m3, and
+``paged_attention`` loads the fp8 page and converts it to the query's dtype (exactly), with
+the key scale folded into the score scale and the value scale applied to the weighted sum,
+one ``k_scale`` and one ``v_scale`` per layer. Caches of
+other dtypes ignore the scales. On CUDA, e4m3 needs compute capability 8.9 or newer.
 """
 
 from __future__ import annotations
@@ -43,6 +50,9 @@ import triton.language as tl
 from vllmpy.ops.checks import check_float, check_same_device
 
 MAX_HEAD_DIM = 256
+FP8_KV_DTYPE = torch.float8_e4m3fn
+FP8_MAX = tl.constexpr(448.0)  # the largest finite e4m3 value; fp8 writes clamp to it
+CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, FP8_KV_DTYPE)
 # Split-KV gives each program at least this many keys; below it the merge costs more
 # than the parallelism gains.
 MIN_TOKENS_PER_SPLIT = 256
@@ -56,11 +66,12 @@ PROGRAMS_PER_SM = 2
 
 @triton.jit
 def _reshape_and_cache_kernel(
-    k_ptr, v_ptr, cache_ptr, slot_ptr,
+    k_ptr, v_ptr, cache_ptr, slot_ptr, k_scale, v_scale,
     stride_k_tok, stride_k_head, stride_v_tok, stride_v_head,
     stride_c_kv, stride_c_blk, stride_c_slot, stride_c_head,
     num_kv_heads, head_dim,
     BLOCK_SIZE: tl.constexpr, HEADS_PAD: tl.constexpr, DIM_PAD: tl.constexpr,
+    QUANT: tl.constexpr,
 ):
     tok = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + tok).to(tl.int64)
@@ -73,15 +84,21 @@ def _reshape_and_cache_kernel(
            + heads * stride_c_head + dims)
     k = tl.load(k_ptr + tok * stride_k_tok + heads * stride_k_head + dims, mask=mask)
     v = tl.load(v_ptr + tok * stride_v_tok + heads * stride_v_head + dims, mask=mask)
+    if QUANT:  # fp8 cache: quantize with the layer's scales (IEEE division, as torch's),
+        # saturating at +-448
+        k = tl.minimum(tl.maximum(tl.div_rn(k.to(tl.float32), k_scale), -FP8_MAX), FP8_MAX)
+        v = tl.minimum(tl.maximum(tl.div_rn(v.to(tl.float32), v_scale), -FP8_MAX), FP8_MAX)
     tl.store(dst, k.to(cache_ptr.dtype.element_ty), mask=mask)
     tl.store(dst + stride_c_kv, v.to(cache_ptr.dtype.element_ty), mask=mask)
 
 
 def reshape_and_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                      slot_mapping: torch.Tensor) -> None:
+                      slot_mapping: torch.Tensor, k_scale: float = 1.0,
+                      v_scale: float = 1.0) -> None:
     """Store k and v ([num_tokens, num_kv_heads, head_dim]) into ``kv_cache``
     ([2, num_blocks, block_size, num_kv_heads, head_dim]) at ``slot_mapping``
-    ([num_tokens], int32 or int64); a negative slot skips its token."""
+    ([num_tokens], int32 or int64); a negative slot skips its token. An fp8 cache stores
+    ``clamp(k / k_scale, +-448)`` and ``clamp(v / v_scale, +-448)``."""
     _check_cache(kv_cache)
     _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
     for name, t in (("k", k), ("v", v)):
@@ -101,26 +118,36 @@ def reshape_and_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
     if slot_mapping.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"slot_mapping must be int32 or int64, got {slot_mapping.dtype}")
     check_same_device("slot_mapping", slot_mapping, kv_cache, "kv_cache")
+    quant = kv_cache.dtype == FP8_KV_DTYPE
+    if quant:
+        _check_scales(k_scale, v_scale)
     if k.shape[0] == 0:
         return
     _reshape_and_cache_kernel[(k.shape[0],)](
-        k, v, kv_cache, slot_mapping,
+        k, v, kv_cache, slot_mapping, float(k_scale), float(v_scale),
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         num_kv_heads, head_dim,
         BLOCK_SIZE=block_size, HEADS_PAD=triton.next_power_of_2(num_kv_heads),
-        DIM_PAD=triton.next_power_of_2(head_dim),
+        DIM_PAD=triton.next_power_of_2(head_dim), QUANT=quant,
     )
 
 
 def reshape_and_cache_ref(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                          slot_mapping: torch.Tensor) -> None:
+                          slot_mapping: torch.Tensor, k_scale: float = 1.0,
+                          v_scale: float = 1.0) -> None:
     """PyTorch reference for ``reshape_and_cache``."""
     keep = slot_mapping >= 0
     slots = slot_mapping[keep].long()
+    k, v = k[keep], v[keep]
+    if kv_cache.dtype == FP8_KV_DTYPE:
+        k = (k.float() / k_scale).clamp(-FP8_MAX.value, FP8_MAX.value).to(FP8_KV_DTYPE)
+        v = (v.float() / v_scale).clamp(-FP8_MAX.value, FP8_MAX.value).to(FP8_KV_DTYPE)
+        # index_copy_ has no fp8 kernel on the CPU: copy the bytes
+        kv_cache, k, v = kv_cache.view(torch.uint8), k.view(torch.uint8), v.view(torch.uint8)
     flat = kv_cache.view(2, -1, k.shape[1], k.shape[2])  # [2, num_slots, kv_heads, head_dim]
-    flat[0].index_copy_(0, slots, k[keep].to(kv_cache.dtype))
-    flat[1].index_copy_(0, slots, v[keep].to(kv_cache.dtype))
+    flat[0].index_copy_(0, slots, k.to(kv_cache.dtype))
+    flat[1].index_copy_(0, slots, v.to(kv_cache.dtype))
 
 
 # ---- paged_attention -------------------------------------------------------------------
@@ -129,12 +156,13 @@ def reshape_and_cache_ref(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tens
 def _paged_attention_kernel(
     q_ptr, cache_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
     query_start_ptr, seq_lens_ptr, block_table_ptr,
-    scale_log2, num_seqs, num_splits, num_heads, head_dim,
+    scale_log2, k_scale, v_scale, num_seqs, num_splits, num_heads, head_dim,
     stride_q_tok, stride_q_head, stride_o_tok, stride_o_head,
     stride_c_kv, stride_c_blk, stride_c_slot, stride_c_head, stride_bt,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
     BLOCK_M: tl.constexpr, TILE_N: tl.constexpr, DIM_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    QUANT: tl.constexpr,
 ):
     q_block = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -183,6 +211,7 @@ def _paged_attention_kernel(
         tile_lo = 0
         tile_hi = num_tiles
 
+    qk_scale = scale_log2 * k_scale if QUANT else scale_log2
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max, log2 domain
     l_i = tl.zeros([BLOCK_M], tl.float32)  # running sum of exp2(s - m_i)
     acc = tl.zeros([BLOCK_M, DIM_PAD], tl.float32)
@@ -196,7 +225,9 @@ def _paged_attention_kernel(
                    + kv_head * stride_c_head)  # [TILE_N]
         k = tl.load(cache_ptr + key_off[None, :] + dims[:, None],
                     mask=key_ok[None, :] & dim_ok[:, None], other=0.0)  # [DIM_PAD, TILE_N]
-        s = tl.dot(q, k.to(q.dtype), input_precision=DOT_PRECISION) * scale_log2
+        # An fp8 page converts straight to q's dtype (exact: e4m3 fits in bf16 and fp32);
+        # the key scale is folded into the score scale (QK_SCALE) instead of the tile.
+        s = tl.dot(q, k.to(q.dtype), input_precision=DOT_PRECISION) * qk_scale
         # s: [BLOCK_M, TILE_N]
         visible = key_ok[None, :] & (key_pos[None, :] <= row_pos[:, None])
         s = tl.where(visible, s, float("-inf"))
@@ -210,6 +241,8 @@ def _paged_attention_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype),
                                             input_precision=DOT_PRECISION)
         m_i = m_new
+    if QUANT:  # the value scale, applied once to the weighted sum (merging is linear)
+        acc = acc * v_scale
 
     if SPLIT:
         # partials: acc [num_tokens, num_heads, num_splits, DIM_PAD], (m, l) [..., 2]
@@ -298,7 +331,8 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor,
                     query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
                     block_tables: torch.Tensor, *, scale: float, max_query_len: int,
                     max_seq_len: int, num_splits: int | None = None,
-                    config: AttentionKernelConfig | None = None) -> torch.Tensor:
+                    config: AttentionKernelConfig | None = None,
+                    k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
     """Attention of every request's new queries over its cached keys and values.
 
     q, out: [num_tokens, num_heads, head_dim] (rows past ``query_start_loc[-1]`` are
@@ -307,9 +341,13 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor,
     block_tables: [num_seqs, max_blocks] int32. ``max_query_len`` and ``max_seq_len``
     bound the batch's query lengths and sequence lengths (the host knows them); they
     pick the kernel variant and the split count, never the result. ``num_splits`` fixes
-    the split count (a CUDA graph needs the same one on every replay). Returns ``out``.
+    the split count (a CUDA graph needs the same one on every replay). An fp8 cache is
+    read as ``page * k_scale`` / ``page * v_scale``. Returns ``out``.
     """
     _check_attention_args(q, kv_cache, out, query_start_loc, seq_lens, block_tables)
+    quant = kv_cache.dtype == FP8_KV_DTYPE
+    if quant:
+        _check_scales(k_scale, v_scale)
     num_tokens, num_heads, head_dim = q.shape
     _, _, block_size, num_kv_heads, _ = kv_cache.shape
     num_seqs = seq_lens.shape[0]
@@ -341,13 +379,14 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor,
     _paged_attention_kernel[(num_q_blocks, num_kv_heads, num_splits)](
         q, kv_cache, out, part_acc, part_ml,
         query_start_loc, seq_lens, block_tables,
-        scale * math.log2(math.e), num_seqs, num_splits, num_heads, head_dim,
+        scale * math.log2(math.e), float(k_scale), float(v_scale),
+        num_seqs, num_splits, num_heads, head_dim,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         block_tables.stride(0),
         GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, BLOCK_M=cfg.block_m,
         TILE_N=cfg.tile_n, DIM_PAD=dim_pad, BLOCK_SIZE=block_size, SPLIT=num_splits > 1,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", QUANT=quant,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if num_splits > 1:
@@ -361,9 +400,12 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor,
 
 def paged_attention_ref(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: torch.Tensor,
                         seq_lens: torch.Tensor, block_tables: torch.Tensor,
-                        scale: float) -> torch.Tensor:
+                        scale: float, k_scale: float = 1.0,
+                        v_scale: float = 1.0) -> torch.Tensor:
     """PyTorch reference for ``paged_attention``: per request, gather its blocks and run
-    masked softmax attention in fp32. Rows past the last request come back as zeros."""
+    masked softmax attention in fp32 (an fp8 cache dequantized as page * scale). Rows past
+    the last request come back as zeros."""
+    quant = kv_cache.dtype == FP8_KV_DTYPE
     out = torch.zeros_like(q)
     block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
     group = q.shape[1] // num_kv_heads
@@ -375,6 +417,9 @@ def paged_attention_ref(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc
         blocks = block_tables[i, :-(-seq_len // block_size)].long()
         # [2, n_blocks, block_size, kv_heads, head_dim] -> [2, seq_len, heads, head_dim]
         kv = kv_cache[:, blocks].flatten(1, 2)[:, :seq_len].float()
+        if quant:
+            kv[0] *= k_scale
+            kv[1] *= v_scale
         kv = kv.repeat_interleave(group, dim=2)
         query = q[q_start:q_end].float()  # [q_len, heads, head_dim]
         scores = torch.einsum("qhd,khd->hqk", query, kv[0]) * scale
@@ -387,11 +432,20 @@ def paged_attention_ref(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc
 
 # ---- argument checks -------------------------------------------------------------------
 
+def _check_scales(k_scale: float, v_scale: float) -> None:
+    for name, value in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if not (math.isfinite(value) and value > 0):
+            raise ValueError(f"{name} must be a positive finite number for an fp8 kv_cache, "
+                             f"got {value}")
+
+
 def _check_cache(kv_cache: torch.Tensor) -> None:
     if kv_cache.dim() != 5 or kv_cache.shape[0] != 2:
         raise ValueError("kv_cache must be [2, num_blocks, block_size, num_kv_heads, head_dim], "
                          f"got {tuple(kv_cache.shape)}")
-    check_float("kv_cache", kv_cache, "Triton attention kernels")
+    if kv_cache.dtype not in CACHE_DTYPES:
+        raise ValueError(f"kv_cache has dtype {kv_cache.dtype}; the Triton attention kernels "
+                         f"take float32, bfloat16, float16 or float8_e4m3fn (fp8) caches")
     if kv_cache.stride(-1) != 1:
         raise ValueError(f"kv_cache must be contiguous in head_dim, got strides "
                          f"{kv_cache.stride()}")

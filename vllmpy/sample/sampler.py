@@ -26,22 +26,30 @@ class Sampler(torch.nn.Module):
     """``forward(logits [num_reqs, vocab_size], metadata) -> [num_reqs] int64`` token ids.
 
     The input logits are left unchanged; any float dtype is accepted and the work is done
-    in float32. The result is on the logits' device.
+    in float32. The result is on the logits' device. ``sample`` also returns the logits
+    of the distribution each row was drawn from (what processed logprobs report).
     """
 
     def forward(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+        return self.sample(logits, metadata)[0]
+
+    def sample(self, logits: torch.Tensor,
+               metadata: SamplingMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """([num_reqs] int64 token ids, [num_reqs, vocab_size] processed logits): the
+        logits after every step above (tokens masked away are -inf); on the fast path,
+        where nothing changes them, the input logits themselves."""
         md = metadata
         if logits.dim() != 2 or tuple(logits.shape) != (md.num_reqs, md.vocab_size):
             raise ValueError(f"logits of shape {tuple(logits.shape)} do not match the "
                              f"metadata ({md.num_reqs} requests, vocab {md.vocab_size})")
         if md.all_greedy and md.no_penalties and md.no_logit_bias and md.no_min_tokens:
             # Converting to float32 is exact and monotonic, so it cannot change the argmax.
-            return logits.argmax(dim=-1)
+            return logits.argmax(dim=-1), logits
         logits = apply_logits_processors(logits.float(), md)
         greedy = None if md.all_random else logits.argmax(dim=-1)
         if md.all_greedy:
             assert greedy is not None
-            return greedy
+            return greedy, logits
         assert md.temperature is not None
         logits = logits / md.temperature.unsqueeze(1)
         if md.min_p is not None:
@@ -50,9 +58,9 @@ class Sampler(torch.nn.Module):
             logits = apply_top_k_top_p(logits, md.top_k, md.max_top_k, md.top_p)
         sampled = random_sample(logits.softmax(dim=-1), md.generators)
         if greedy is None:
-            return sampled
+            return sampled, logits
         assert md.greedy_mask is not None
-        return torch.where(md.greedy_mask, greedy, sampled)
+        return torch.where(md.greedy_mask, greedy, sampled), logits
 
 
 def apply_logits_processors(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:

@@ -75,8 +75,24 @@ def _content_text(content: Any, where: str) -> Any:
     return "\n".join(texts)
 
 
+def _tool_call_for_template(call: Any, where: str) -> Any:
+    """An OpenAI tool call carries its arguments as JSON text; templates expect the object
+    (they write ``arguments | tojson``), so the text is decoded, as vLLM does. Empty
+    arguments are ``{}``."""
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict) or isinstance(function.get("arguments"), (dict, list)):
+        return call
+    text = function.get("arguments")
+    try:
+        arguments = json.loads(text) if text else {}
+    except (TypeError, ValueError):
+        raise ValueError(f"{where} tool call arguments are not JSON: {text!r}") from None
+    return {**call, "function": {**function, "arguments": arguments}}
+
+
 def normalize_messages(messages: Any) -> list[dict[str, Any]]:
-    """Fresh copies of the messages with list content joined into one string."""
+    """Fresh copies of the messages with list content joined into one string and tool-call
+    arguments decoded from JSON text."""
     if not isinstance(messages, list):
         raise ValueError(f"messages must be a list of dicts, got {type(messages).__name__}")
     out = []
@@ -88,6 +104,9 @@ def normalize_messages(messages: Any) -> list[dict[str, Any]]:
         copy = dict(message)
         if "content" in copy:
             copy["content"] = _content_text(copy["content"], f"message {n}")
+        if isinstance(copy.get("tool_calls"), list):
+            copy["tool_calls"] = [_tool_call_for_template(c, f"message {n}")
+                                  for c in copy["tool_calls"]]
         out.append(copy)
     return out
 

@@ -1,4 +1,4 @@
-"""CUDA graphs of the model's decode forward, for a fixed list of batch sizes sharing one
+"""CUDA graphs of the model's decode forward and its logits, for a fixed list of batch sizes sharing one
 memory pool.
 
 A decode step (every request computes one token) replays the graph of the smallest
@@ -42,7 +42,9 @@ class DecodeGraphs:
         self.seq_lens = torch.zeros(n, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros((n, width), dtype=torch.int32, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, torch.Tensor] = {}
+        # size -> (hidden states [size, hidden], logits [size, vocab])
+        self.outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.logits: torch.Tensor | None = None  # [max size, vocab], shared by every size
 
     @property
     def max_size(self) -> int:
@@ -71,24 +73,36 @@ class DecodeGraphs:
         for size in reversed(self.sizes):
             meta = self._meta(size)
             ids, pos = self.input_ids[:size], self.positions[:size]
-            self.model(ids, pos, meta)  # warm-up: compiles kernels, builds rotary tables
+            # warm-up: compiles kernels, builds rotary tables
+            logits = self.model.compute_logits(self.model(ids, pos, meta))  # type: ignore[operator]
+            if self.logits is None:  # one logits buffer that every size writes into
+                self.logits = torch.empty((self.sizes[-1], logits.shape[1]), dtype=logits.dtype,
+                                          device=logits.device)
+            del logits
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                out = self.model(ids, pos, meta)
+                hidden = self.model(ids, pos, meta)
+                self.logits[:size].copy_(self.model.compute_logits(hidden))  # type: ignore[operator]
             if pool is None:
                 pool = graph.pool()
             self.graphs[size] = graph
-            self.outputs[size] = out
+            self.outputs[size] = (hidden, self.logits[:size])
         torch.cuda.synchronize()
 
     def run(self, n: int, input_ids: torch.Tensor, positions: torch.Tensor,
-            slot_mapping: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor
-            ) -> torch.Tensor:
-        """Replay for a decode step of ``n`` requests; returns [n, hidden]. The inputs may
-        be pinned host tensors (copied without blocking) or device tensors."""
+            slot_mapping: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
+            fill: tuple[torch.Tensor, torch.Tensor] | None = None,
+            copied: torch.cuda.Event | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Replay for a decode step of ``n`` requests; returns (hidden states [n, hidden],
+        logits [n, vocab]), views of the graph's outputs that the next replay overwrites.
+        The inputs may be pinned host tensors (copied without blocking) or device tensors;
+        ``fill`` = (rows, ids) overwrites input ids the host does not know yet; ``copied``
+        is recorded once the inputs are copied, before the replay."""
         size = next(s for s in self.sizes if s >= n)
         self.input_ids[:n].copy_(input_ids, non_blocking=True)
+        if fill is not None:  # (rows, ids): tokens that only the device holds yet
+            self.input_ids.index_copy_(0, fill[0], fill[1])
         self.positions[:n].copy_(positions, non_blocking=True)
         self.slot_mapping[:n].copy_(slot_mapping, non_blocking=True)
         self.seq_lens[:n].copy_(seq_lens, non_blocking=True)
@@ -99,5 +113,8 @@ class DecodeGraphs:
         self.query_start_loc[:n + 1].copy_(self.arange[:n + 1])
         width = block_tables.shape[1]
         self.block_tables[:n, :width].copy_(block_tables, non_blocking=True)
+        if copied is not None:
+            copied.record()
         self.graphs[size].replay()
-        return self.outputs[size][:n]
+        hidden, logits = self.outputs[size]
+        return hidden[:n], logits[:n]

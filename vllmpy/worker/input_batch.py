@@ -8,7 +8,7 @@ the last row into the hole.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -27,6 +27,10 @@ class StepInputs:
     sample_rows: list[int]  # index into the step's requests of those that sample
     max_query_len: int
     max_seq_len: int
+    # Tokens the host does not know yet (sampled by a step still in flight): their rows in
+    # input_ids and the index of their request in the step.
+    unknown_rows: list[int] = field(default_factory=list)
+    unknown_reqs: list[int] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -131,7 +135,11 @@ class InputBatch:
             positions = starts[tok_req] + offsets
             query_start = np.zeros(len(rows) + 1, dtype=np.int32)
             query_start[1:] = cu
-        input_ids = self.token_ids[tok_rows, positions].astype(np.int64)
+        known = self.num_tokens[tok_rows]
+        input_ids = self.token_ids[tok_rows, np.minimum(positions, known - 1)].astype(np.int64)
+        unknown = np.nonzero(positions >= known)[0]
+        unknown_reqs = (unknown if len(rows) == len(positions)  # decode: token i is request i
+                        else np.searchsorted(query_start[1:], unknown, side="right"))
         slots = (self.block_table[tok_rows, positions // bs].astype(np.int64) * bs
                  + positions % bs)
         # A request samples when this chunk reaches its last known token.
@@ -151,4 +159,6 @@ class InputBatch:
             sample_rows=sample_rows.tolist(),
             max_query_len=int(counts.max()),
             max_seq_len=int(ends.max()),
+            unknown_rows=unknown.tolist(),
+            unknown_reqs=np.asarray(unknown_reqs).tolist(),
         )

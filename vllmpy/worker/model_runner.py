@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -10,16 +11,28 @@ import torch
 from torch import nn
 
 from vllmpy.attention.metadata import AttentionMetadata
-from vllmpy.config import EngineConfig
-from vllmpy.core.sched_output import ModelRunnerOutput, NewRequestData, SchedulerOutput
+from vllmpy.config import EngineConfig, log
+from vllmpy.core.sched_output import (
+    LogprobsLists,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+)
 from vllmpy.layers.attention import Attention
 from vllmpy.loader.load_stats import LoadStats
 from vllmpy.loader.source import ModelSource, iter_checkpoint_weights
 from vllmpy.models.interface import CausalLM
 from vllmpy.models.registry import resolve_model_class
+from vllmpy.sample.logprobs import (
+    PromptChunk,
+    PromptLogprobsPlan,
+    SampledLogprobs,
+    sampled_logprobs,
+)
 from vllmpy.sample.metadata import SamplingMetadata
 from vllmpy.sample.sampler import Sampler
 from vllmpy.sampling_params import SamplingParams
+from vllmpy.structured_output.bitmask import apply_step_grammar_bitmask
 from vllmpy.worker.input_batch import InputBatch, StepInputs
 
 if TYPE_CHECKING:
@@ -67,6 +80,11 @@ class ModelRunner:
                                       config.model.max_model_len, self.block_size)
         self._pinned: dict[str, torch.Tensor] = {}  # staging buffers for host -> device
         self._staged: torch.cuda.Event | None = None  # when the last copies were queued
+        # The last launched step's sampled ids on the device, with each request's index
+        # into them, until the host has read them; whether the next step may run ahead.
+        self._last_sampled: tuple[torch.Tensor, dict[str, int]] | None = None
+        self._overlap_safe = False
+        self._host_flip = 0
         # (sampled request ids, metadata) of the last step, while reusable
         self._md_cache: tuple[tuple[str, ...], SamplingMetadata] | None = None
 
@@ -127,15 +145,111 @@ class ModelRunner:
             if not self.config.enforce_eager:
                 self._capture_decode_graphs()
 
+    @torch.inference_mode()
+    def profile_kv_budget(self) -> tuple[int, str]:
+        """CUDA: the bytes the KV pool may take under --gpu-memory-utilization, and how
+        they were found. Runs the largest prefill step the scheduler can send (with the
+        sampler on max_num_seqs random rows) and the largest decode step (what the CUDA
+        graphs hold) against a small scratch cache, and measures their peaks."""
+        assert self.model is not None and self.device.type == "cuda"
+        sched, cache = self.config.scheduler, self.config.cache
+        text = self.config.model.text_config
+        gc.collect()
+        torch.cuda.empty_cache()
+        weights = torch.cuda.memory_allocated(self.device)
+        tokens = sched.max_num_batched_tokens
+        scratch_blocks = -(-tokens // self.block_size) + 1
+        scratch = [torch.zeros((2, scratch_blocks, self.block_size, text.num_key_value_heads,
+                                text.head_dim), dtype=cache.kv_cache_dtype, device=self.device)
+                   for _ in self._attention_layers()]
+        self._bind_kv_caches(scratch)
+        base = torch.cuda.memory_allocated(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self._profile_step([tokens], sample=min(sched.max_num_seqs, tokens))
+        prefill_peak = torch.cuda.max_memory_allocated(self.device) - base
+        torch.cuda.reset_peak_memory_stats(self.device)
+        graphs = 0
+        if not self.config.enforce_eager:
+            self._profile_step([1] * sched.max_num_seqs, sample=sched.max_num_seqs)
+            graphs = torch.cuda.max_memory_allocated(self.device) - base
+        for layer in self._attention_layers():
+            layer.kv_cache = None
+        del scratch
+        gc.collect()
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(self.device)
+        in_use = total - free  # weights, the CUDA context, other processes
+        budget = int(total * cache.gpu_memory_utilization)
+        kv_bytes = budget - in_use - prefill_peak - graphs
+        gib = 2**30
+        how = (f"{total / gib:.1f} GiB x {cache.gpu_memory_utilization} = {budget / gib:.2f} "
+               f"GiB; in use after loading {in_use / gib:.2f} GiB (weights "
+               f"{weights / gib:.2f} GiB), activation peak {prefill_peak / gib:.2f} GiB, "
+               f"CUDA graphs (est.) {graphs / gib:.2f} GiB")
+        return kv_bytes, how
+
+    def _profile_step(self, seq_lens: list[int], sample: int) -> None:
+        """One forward of fresh sequences of ``seq_lens`` tokens against the scratch cache,
+        then logits and a random-sampling pass over ``sample`` rows."""
+        assert self.model is not None
+        n, total = len(seq_lens), sum(seq_lens)
+        dev = self.device
+        query_start = [0]
+        for length in seq_lens:
+            query_start.append(query_start[-1] + length)
+        blocks = -(-max(seq_lens) // self.block_size)
+        meta = AttentionMetadata(
+            num_actual_tokens=total,
+            query_start_loc=torch.tensor(query_start, dtype=torch.int32, device=dev),
+            query_start_loc_cpu=query_start,
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            seq_lens_cpu=list(seq_lens),
+            slot_mapping=torch.full((total,), -1, dtype=torch.int64, device=dev),
+            block_tables=torch.zeros((n, blocks), dtype=torch.int32, device=dev),
+            block_size=self.block_size,
+            max_query_len=max(seq_lens),
+            max_seq_len=max(seq_lens),
+        )
+        ids = torch.zeros(total, dtype=torch.int64, device=dev)
+        pos = torch.cat([torch.arange(length, device=dev) for length in seq_lens])
+        hidden = self.model(ids, pos, meta)
+        logits = self.model.compute_logits(hidden[-sample:])
+        params = SamplingParams(temperature=1.0, top_p=0.9, top_k=50)
+        md = SamplingMetadata.build([params] * sample, [[0]] * sample, [[]] * sample,
+                                    [None] * sample, [set()] * sample, self.vocab_size, dev)
+        self.sampler(logits, md)
+        torch.cuda.synchronize(dev)
+
+    def _attention_layers(self) -> list[Attention]:
+        assert isinstance(self.model, nn.Module)
+        return [m for m in self.model.modules() if isinstance(m, Attention)]
+
+    def _bind_kv_caches(self, caches: list[torch.Tensor]) -> None:
+        """Give every attention layer its cache (and on CUDA the Triton backend)."""
+        layers = self._attention_layers()
+        for layer, kv in zip(layers, caches):
+            layer.kv_cache = kv
+        if self.device.type == "cuda":
+            from vllmpy.attention.triton_backend import TritonAttentionBackend
+
+            for layer in layers:
+                layer.backend = TritonAttentionBackend(
+                    layer.num_heads, layer.num_kv_heads, layer.head_dim, layer.scale)
+
     def _capture_decode_graphs(self) -> None:
         from vllmpy.worker.cuda_graphs import DecodeGraphs
 
+        torch.cuda.empty_cache()  # as capture does: what grows after this is the graphs'
+        before = torch.cuda.memory_reserved(self.device)
         with self._load_stats.phase("cuda_graphs"):
             graphs = DecodeGraphs(self.model, self.device,  # type: ignore[arg-type]
                                   self.config.scheduler.max_num_seqs,
                                   self.config.model.max_model_len, self.block_size)
             graphs.capture()
         self.decode_graphs = graphs
+        grown = torch.cuda.memory_reserved(self.device) - before
+        log(f"CUDA graphs: {len(graphs.sizes)} decode batch sizes "
+            f"({graphs.sizes[0]}..{graphs.sizes[-1]}) captured, {grown / 2**30:.2f} GiB")
 
     # ---- one step -------------------------------------------------------------------
 
@@ -252,44 +366,174 @@ class ModelRunner:
         self._md_cache = (sampled_ids, md) if reusable else None
         return md
 
-    @torch.inference_mode()
+    def _prompt_logprobs(self, req_ids: list[str], out: SchedulerOutput, step: StepInputs,
+                         hidden: torch.Tensor) -> dict[str, LogprobsLists]:
+        """Logprobs of the prompt tokens this step's chunks score, for the requests that
+        asked; ``hidden`` holds the states of every token of the step."""
+        chunks = []
+        for i, req_id in enumerate(req_ids):
+            state = self.requests[req_id]
+            num_top = state.sampling_params.prompt_logprobs
+            if num_top is not None:
+                start = state.num_computed_tokens
+                chunks.append(PromptChunk(req_id, state.prompt_token_ids, num_top, start,
+                                          start + out.num_scheduled_tokens[req_id],
+                                          int(step.query_start_loc[i])))
+        plan = PromptLogprobsPlan.build(chunks) if chunks else None
+        if plan is None:
+            return {}
+        assert self.model is not None
+        return plan.run(hidden, self.model.compute_logits, self.vocab_size)
+
     def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step and wait for its sampled ids."""
+        return self.launch(out).result()
+
+    @torch.inference_mode()
+    def launch(self, out: SchedulerOutput) -> StepHandle:
+        """Queue one step on the device and return at once; ``result()`` on the handle
+        waits for its sampled ids. Positions whose token is still on the device (sampled
+        by the previous launched step, not yet read back) take it from there."""
         assert self.model is not None
         self._update_states(out)
         req_ids = list(out.num_scheduled_tokens)
         if not req_ids:
-            return ModelRunnerOutput([], [])
+            return StepHandle(self, [], [], [], None, None, {}, None)
         step, host = self._prepare_inputs(req_ids, out)
+        fill = self._device_tokens(req_ids, step)
         graphs = self.decode_graphs
         n = len(req_ids)
+        # Recorded once this step's copies out of the pinned buffers are queued: the next
+        # step waits on it (not on this step's forward) before rewriting them.
+        copied = torch.cuda.Event() if self.device.type == "cuda" else None
         if graphs is not None and step.max_query_len == 1 and n <= graphs.max_size:
             # A pure decode step: the graph reads its inputs straight from the host.
-            hidden = graphs.run(n, host["input_ids"], host["positions"],
-                                host["slot_mapping"], host["seq_lens"], host["block_tables"])
-            logits_idx = None  # every request samples
+            hidden, graph_logits = graphs.run(
+                n, host["input_ids"], host["positions"], host["slot_mapping"],
+                host["seq_lens"], host["block_tables"], fill, copied)
+            logits_idx = None
+            if len(step.sample_rows) < n:  # a one-token prefill chunk samples nothing
+                logits_idx = torch.as_tensor(step.sample_rows, device=self.device)
+                graph_logits = graph_logits[logits_idx]
         else:
+            graph_logits = None
             ids, pos, meta, logits_idx = self._device_inputs(step, host)
+            if fill is not None:
+                ids.index_copy_(0, fill[0], fill[1])
+            if copied is not None:
+                copied.record()
             hidden = self.model(ids, pos, meta)  # [num_tokens, hidden_size]
             if len(step.sample_rows) == step.num_tokens:
                 logits_idx = None
-        if self.device.type == "cuda":
-            self._staged = torch.cuda.Event()
-            self._staged.record()
+        self._staged = copied
+        prompt_logprobs = self._prompt_logprobs(req_ids, out, step, hidden)
+        if not step.sample_rows:
+            self._last_sampled = None
+            return StepHandle(self, req_ids, [], [], None, None, prompt_logprobs, None)
+        if logits_idx is not None:
+            hidden = hidden[logits_idx]
+        logits = (graph_logits if graph_logits is not None
+                  else self.model.compute_logits(hidden))  # [num_sampled, vocab]
+        if out.grammar_bitmask is not None:  # structured output: forbidden -> -inf
+            apply_step_grammar_bitmask(logits, out.grammar_bitmask,
+                                       out.structured_output_request_ids,
+                                       [req_ids[i] for i in step.sample_rows])
+        states = [self.requests[req_ids[i]] for i in step.sample_rows]
+        metadata = self._sampling_metadata(
+            tuple(req_ids[i] for i in step.sample_rows), states)
+        sampled_t, processed = self.sampler.sample(logits, metadata)
+        lp = sampled_logprobs([s.sampling_params for s in states], logits, processed,
+                              sampled_t)
+        # The next step may read these ids before the host does (async scheduling).
+        self._last_sampled = (sampled_t, {s.req_id: k for k, s in enumerate(states)})
+        self._overlap_safe = (metadata.no_penalties and not metadata.generators
+                              and metadata.no_min_tokens and out.grammar_bitmask is None)
+        host_ids, ready = self._copy_to_host(sampled_t)
+        return StepHandle(self, req_ids, step.sample_rows, states, host_ids, lp,
+                          prompt_logprobs, ready)
+
+    @property
+    def overlap_safe(self) -> bool:
+        """Whether the next step may be scheduled before the last launched step's ids are
+        read: no request that sampled in it uses penalties, a seed, an unmet min_tokens or
+        a grammar, which all depend on the tokens generated so far."""
+        return self._overlap_safe
+
+    def _device_tokens(self, req_ids: list[str], step: StepInputs
+                       ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(input rows, token ids on the device) for the positions whose token the host
+        does not know yet: each was sampled by the last launched step."""
+        if not step.unknown_rows:
+            return None
+        if self._last_sampled is None:
+            raise RuntimeError("a step reads tokens that no launched step sampled")
+        sampled_t, index = self._last_sampled
+        src = [index[req_ids[i]] for i in step.unknown_reqs]
+        dst = self._stage("fill_dst", np.asarray(step.unknown_rows, dtype=np.int64))
+        src_t = self._stage("fill_src", np.asarray(src, dtype=np.int64))
+        return (dst.to(self.device, non_blocking=True),
+                sampled_t[src_t.to(self.device, non_blocking=True)])
+
+    def _copy_to_host(self, sampled: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+        """Start the copy of a step's sampled ids to the host; on CUDA into one of two
+        pinned buffers (two steps may be in flight) with an event marking its end."""
+        if self.device.type != "cuda":
+            return sampled, None
+        self._host_flip ^= 1
+        key = f"sampled{self._host_flip}"
+        buf = self._pinned.get(key)
+        if buf is None or buf.numel() < sampled.numel():
+            buf = torch.empty(max(sampled.numel(), 1024), dtype=torch.int64, pin_memory=True)
+            self._pinned[key] = buf
+        view = buf[:sampled.numel()]
+        view.copy_(sampled, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record()
+        return view, ready
+
+    def _finish_step(self, handle: StepHandle) -> ModelRunnerOutput:
+        """Read a launched step's sampled ids back and record them (StepHandle.result)."""
+        req_ids = handle.req_ids
         sampled: list[list[int]] = [[] for _ in req_ids]
-        if step.sample_rows:
-            if logits_idx is not None:
-                hidden = hidden[logits_idx]
-            logits = self.model.compute_logits(hidden)  # [num_sampled, vocab]
-            states = [self.requests[req_ids[i]] for i in step.sample_rows]
-            metadata = self._sampling_metadata(
-                tuple(req_ids[i] for i in step.sample_rows), states)
-            token_ids = self.sampler(logits, metadata).tolist()  # the step's one sync
+        logprobs: list[LogprobsLists | None] = []
+        if handle.host_ids is not None:
+            if handle.ready is not None:
+                handle.ready.synchronize()  # the step's one wait
+            token_ids = handle.host_ids.tolist()
+            if handle.logprobs is not None:  # copied once the sampled ids are
+                logprobs = [None] * len(req_ids)
+                for row, lists in zip(handle.sample_rows, handle.logprobs.to_lists()):
+                    logprobs[row] = lists
             batch = self.input_batch
-            for row, state, tok in zip(step.sample_rows, states, token_ids):
+            for row, state, tok in zip(handle.sample_rows, handle.states, token_ids):
+                sampled[row] = [tok]
+                if self.requests.get(state.req_id) is not state:
+                    continue  # left the batch since (finished or preempted)
                 state.output_token_ids.append(tok)
                 batch.append_tokens(batch.index[state.req_id], [tok])
-                sampled[row] = [tok]
-        return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled)
+        return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled,
+                                 logprobs=logprobs, prompt_logprobs=handle.prompt_logprobs)
+
+
+@dataclass
+class StepHandle:
+    """A launched step; ``result()`` waits for it (once) and returns its output."""
+
+    runner: ModelRunner
+    req_ids: list[str]
+    sample_rows: list[int]
+    states: list[CachedRequestState]
+    host_ids: torch.Tensor | None  # the sampled ids' host copy (being filled)
+    logprobs: SampledLogprobs | None  # the step's logprobs on the device, if asked for
+    prompt_logprobs: dict[str, LogprobsLists]
+    ready: torch.cuda.Event | None  # recorded after the copy to the host
+    _output: ModelRunnerOutput | None = None
+
+    def result(self) -> ModelRunnerOutput:
+        if self._output is None:
+            self._output = self.runner._finish_step(self)
+        return self._output
 
 
 _TORCH_DTYPES = {np.int64: torch.int64, np.int32: torch.int32}

@@ -27,7 +27,8 @@ def test_paired_flags_and_api_key_sources(monkeypatch):
 
 @pytest.mark.parametrize("argv, needle", [
     (["--tensor-parallel-size", "2"], "server: unknown argument '--tensor-parallel-size'"),
-    (["--enable-prefix-caching"], "server: unknown argument '--enable-prefix-caching'"),
+    (["--scheduling-policy", "sjf"],
+     "server: argument --scheduling-policy: invalid choice: 'sjf'"),
     (["--port", "x"], "--port"),
     (["--max-log-len", "-1"], "--max-log-len"),
 ])

@@ -175,12 +175,16 @@ def test_bad_prompts_are_refused(prompt, needle):
     ({"seed": 2**64}, "seed", "less than or equal to"),
     ({"seed": "abc"}, "seed", "valid integer"),
     ({"stop_token_ids": [1, -2]}, "stop_token_ids.1", "greater than or equal to 0"),
-    ({"logprobs": 21}, "logprobs", "less than or equal to 20"),
-    ({"logprobs": 2}, "logprobs", "logprobs is not supported yet"),
-    ({"logprobs": 0}, "logprobs", "logprobs is not supported yet"),
-    ({"prompt_logprobs": 1}, "prompt_logprobs", "prompt_logprobs is not supported yet"),
+    ({"logprobs": 21}, "logprobs", "must be an integer from 0 to 20"),
+    ({"logprobs": -2}, "logprobs", "or -1 for the whole vocabulary, got -2"),
+    ({"logprobs": "2"}, "logprobs", "must be an integer from 0 to 20"),
+    ({"prompt_logprobs": -3}, "prompt_logprobs", "or -1 for the whole vocabulary, got -3"),
+    ({"prompt_logprobs": "all"}, "prompt_logprobs", "got 'all'"),
+    ({"prompt_logprobs": 1, "stream": True}, "prompt_logprobs",
+     "prompt_logprobs is not available when stream is true"),
+    ({"logprob_token_ids": [1]}, "logprob_token_ids", "not supported over HTTP"),
     ({"use_beam_search": True}, "use_beam_search", "beam search is not supported"),
-    ({"guided_json": {"type": "object"}}, "guided_json", "guided_json"),
+    ({"guided_json": {"type": "strin"}}, "guided_json", "guided_json: invalid JSON schema"),
     ({"max_tokens": "lots"}, "max_tokens", "valid integer"),
 ])
 def test_completion_refusals(body, param, needle):
@@ -196,7 +200,8 @@ def test_accepted_completion_oddities():
     assert req.model_extra == {"foo": 1, "use_beam_search": False, "guided_json": None}
     assert req.stream_options is not None and req.stream_options.include_usage
     assert completion(best_of=2, n=2).n == 2
-    assert completion(logprobs=20).logprobs == 20  # in range; conversion refuses for now
+    assert completion(logprobs=20).to_sampling_params().logprobs == 20
+    assert completion(logprobs=-1, prompt_logprobs=0).to_sampling_params().prompt_logprobs == 0
 
 
 # ---------------------------------------------------------------------------------------
@@ -228,20 +233,22 @@ def test_accepted_completion_oddities():
     ({"documents": [{"text": "d"}]}, "documents", "documents is not supported"),
     ({"continue_final_message": True}, "continue_final_message",
      "continue_final_message and add_generation_prompt cannot both be true"),
-    ({"response_format": {"type": "json_object"}}, "response_format",
-     "response_format type 'json_object' is not supported"),
     ({"response_format": {"type": "json_schema", "json_schema": {}}}, "response_format",
-     "'json_schema' is not supported"),
+     "needs a 'json_schema' object with a 'name'"),
     ({"response_format": {"type": "yaml"}}, "response_format", "response_format must be"),
-    ({"tool_choice": "required"}, "tool_choice", "tool_choice 'required' is not supported"),
+    ({"tool_choice": "required"}, "tool_choice", "tool_choice 'required' needs tools"),
     ({"tool_choice": {"type": "function", "function": {"name": "get_weather"}}},
-     "tool_choice", "tool_choice naming a function ('get_weather') is not supported"),
+     "tool_choice", "tool_choice naming a function needs tools"),
+    ({"tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+      "tools": [{"type": "function", "function": {"name": "f"}}]},
+     "tool_choice", "names function 'get_weather', which is not in tools ('f')"),
     ({"tool_choice": "always"}, "tool_choice", "tool_choice must be"),
     ({"tools": [{"type": "function"}]}, "tools.0.function", "Field required"),
     ({"top_logprobs": 2}, "top_logprobs", "top_logprobs needs logprobs set to true"),
-    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs", "less than or equal to 20"),
-    ({"logprobs": True}, "logprobs", "logprobs is not supported yet"),
-    ({"logprobs": True, "top_logprobs": 3}, "logprobs", "logprobs is not supported yet"),
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs", "must be an integer from 0 to 20"),
+    ({"logprobs": True, "top_logprobs": -2}, "top_logprobs", "or -1 for the whole vocabulary"),
+    ({"prompt_logprobs": 0, "stream": True}, "prompt_logprobs", "stream is true"),
+    ({"prompt_logprobs": -7}, "prompt_logprobs", "got -7"),
     ({"stream_options": {"include_usage": True}}, "stream_options", "stream is true"),
     ({"temperature": 2.5}, "temperature", "less than or equal to 2"),
     ({"logit_bias": {"x1": 1}}, "logit_bias", "is not a token id"),

@@ -21,7 +21,12 @@ from starlette.middleware.cors import CORSMiddleware
 import vllmpy
 from vllmpy.config import EngineArgs
 from vllmpy.engine.async_llm import AsyncLLM
-from vllmpy.entrypoints.openai.cli_args import default_served_model_name, parse_server_args
+from vllmpy.engine.configure import kv_cache_dtype_name
+from vllmpy.entrypoints.openai.cli_args import (
+    default_served_model_name,
+    parse_server_args,
+    resolve_output_parsers,
+)
 from vllmpy.entrypoints.openai.errors import OpenAIError, error_body
 from vllmpy.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -48,6 +53,8 @@ def _error(status: int, message: str, param: str | None = None) -> JSONResponse:
 
 
 def build_app(engine: AsyncLLM, args: argparse.Namespace, served_model_name: str) -> FastAPI:
+    tool_parser, reasoning_parser = resolve_output_parsers(
+        args, getattr(engine.tokenizer, "chat_template", None))
     ctx = ServerContext(
         engine=engine,
         served_model_name=served_model_name,
@@ -58,6 +65,8 @@ def build_app(engine: AsyncLLM, args: argparse.Namespace, served_model_name: str
         log_requests=args.log_requests,
         log_outputs=args.enable_log_outputs,
         max_log_len=args.max_log_len,
+        tool_parser=tool_parser,
+        reasoning_parser=reasoning_parser,
     )
     completions, chat = CompletionHandler(ctx), ChatHandler(ctx)
     tokenization = TokenizationHandler(ctx)
@@ -198,10 +207,12 @@ def _server_info(engine: AsyncLLM, args: argparse.Namespace, name: str) -> dict[
             "dtype": str(cfg.model.dtype).removeprefix("torch."),
             "max_model_len": cfg.model.max_model_len, "block_size": cfg.cache.block_size,
             "num_blocks": cfg.cache.num_blocks,
-            "kv_cache_dtype": str(cfg.cache.kv_cache_dtype).removeprefix("torch."),
+            "kv_cache_dtype": kv_cache_dtype_name(cfg.cache.kv_cache_dtype),
             "kv_cache_dtype_requested": cfg.cache.kv_cache_dtype_requested,
             "max_num_seqs": cfg.scheduler.max_num_seqs,
             "max_num_batched_tokens": cfg.scheduler.max_num_batched_tokens,
+            "enable_prefix_caching": cfg.cache.enable_prefix_caching,
+            "scheduling_policy": cfg.scheduler.policy,
             "device": cfg.device,
         },
         "vllm_env": {"version": vllmpy.__version__},

@@ -3,6 +3,10 @@
 Bad flags exit 2 with one line: ``server: unknown argument '<flag>'``. Two recipe flags
 are accepted with a notice because they mean nothing here; every other unknown flag,
 parallelism flags included, is refused so nobody believes they got what they asked for.
+
+``--tool-call-parser`` and ``--reasoning-parser`` take a registered parser name, ``auto``
+(resolved from the chat template once the model is loaded: ``resolve_output_parsers``) or
+``none``.
 """
 
 from __future__ import annotations
@@ -13,18 +17,26 @@ import sys
 
 from vllmpy.config import EngineArgs
 from vllmpy.entrypoints.arg_utils import OneLineArgumentParser
+from vllmpy.entrypoints.openai.tool_parsers import TOOL_PARSERS, detect_tool_parser
+from vllmpy.reasoning import REASONING_PARSERS, detect_reasoning_parser
 
 PROG = "server"
 
 # flag -> why it has no effect here (printed once on stderr when the flag is passed)
 INERT_FLAGS = {
-    "--enable-auto-tool-choice": "tool parsing is not implemented yet, so there is no "
-                                 "automatic tool choice to enable",
+    "--enable-auto-tool-choice": "tool parsing is always on once --tool-call-parser "
+                                 "resolves (requests with tools default to tool_choice "
+                                 "auto), so there is no second gate to open",
     "--trust-remote-code": "this engine runs only its own model code, so there is no "
                            "remote code to trust",
 }
 
 
+DEFAULT_TOOL_CALL_PARSER = "hermes"
+AUTO_TOOL_CHOICE_REFUSAL = (
+    f"{PROG}: Error: --enable-auto-tool-choice requires --tool-call-parser\n"
+    f"{PROG}: (--tool-call-parser none selects NO parser; name a parser, or drop "
+    f"--tool-call-parser to keep the {DEFAULT_TOOL_CALL_PARSER} default)")
 
 
 def make_parser() -> OneLineArgumentParser:
@@ -59,6 +71,13 @@ def make_parser() -> OneLineArgumentParser:
     g.add_argument("--max-request-body-bytes", type=int, default=32 * 2**20,
                    help="largest accepted request body (413 beyond it)")
     g.add_argument("-v", "--verbose", action="store_true", help="verbose server logging")
+    g.add_argument("--tool-call-parser", default=DEFAULT_TOOL_CALL_PARSER,
+                   help="tool-call dialect of the model's output; auto detects it from the "
+                        "chat template, none turns tool parsing off (default "
+                        f"{DEFAULT_TOOL_CALL_PARSER})")
+    g.add_argument("--reasoning-parser", default="none",
+                   help="splits reasoning_content off the output; auto detects it from the "
+                        "chat template, none turns it off (default none)")
     for flag in INERT_FLAGS:
         g.add_argument(flag, action="store_true", help=f"accepted, no effect: {INERT_FLAGS[flag]}")
     EngineArgs.add_cli_args(p)
@@ -68,6 +87,11 @@ def make_parser() -> OneLineArgumentParser:
 def parse_server_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = make_parser()
     args = parser.parse_strict(argv)
+    if args.enable_auto_tool_choice and args.tool_call_parser == "none":
+        print(AUTO_TOOL_CHOICE_REFUSAL, file=sys.stderr)
+        raise SystemExit(2)
+    _check_parser_name(parser, "--tool-call-parser", args.tool_call_parser, TOOL_PARSERS)
+    _check_parser_name(parser, "--reasoning-parser", args.reasoning_parser, REASONING_PARSERS)
     for flag, why in INERT_FLAGS.items():
         if getattr(args, flag.lstrip("-").replace("-", "_")):
             print(f"{PROG}: accepted '{flag}' for published-recipe compatibility; it has no "
@@ -86,3 +110,27 @@ def parse_server_args(argv: list[str] | None = None) -> argparse.Namespace:
 def default_served_model_name(model: str) -> str:
     base = os.path.basename(os.path.normpath(model))
     return base.removesuffix(".gguf")
+
+
+def _check_parser_name(parser: OneLineArgumentParser, flag: str, name: str,
+                       registry: dict[str, str]) -> None:
+    if name not in registry and name not in ("auto", "none"):
+        parser.error(f"{flag} {name!r} is not a known parser; choose from "
+                     f"{', '.join([*registry, 'auto', 'none'])}")
+
+
+def resolve_output_parsers(args: argparse.Namespace,
+                           chat_template: str | None) -> tuple[str | None, str | None]:
+    """(tool-call parser, reasoning parser) for the server, None meaning off. ``auto`` is
+    resolved from the chat template, and the outcome printed on stderr."""
+    resolved = []
+    for flag, name, detect in (("--tool-call-parser", args.tool_call_parser, detect_tool_parser),
+                               ("--reasoning-parser", args.reasoning_parser,
+                                detect_reasoning_parser)):
+        if name == "auto":
+            name = detect(chat_template)
+            found = (f"the chat template calls for {name!r}" if name else
+                     "the chat template matches no known format, so it is off")
+            print(f"{PROG}: {flag} auto: {found}", file=sys.stderr)
+        resolved.append(None if name in (None, "none") else name)
+    return resolved[0], resolved[1]

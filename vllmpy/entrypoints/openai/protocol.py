@@ -24,6 +24,7 @@ from pydantic import (
     Field,
     SerializerFunctionWrapHandler,
     ValidationError,
+    ValidationInfo,
     field_validator,
     model_serializer,
     model_validator,
@@ -31,6 +32,7 @@ from pydantic import (
 
 from vllmpy.entrypoints.openai.errors import FieldError, bad_request, validation_error_to_openai
 from vllmpy.sampling_params import RequestOutputKind, SamplingParams
+from vllmpy.structured_output import StructuredOutputsParams, validate_structured_outputs
 
 _LONG_MIN, _LONG_MAX = -(2**63), 2**63 - 1
 MAX_LOGPROBS = 20  # the largest logprobs / top_logprobs a request may ask for
@@ -47,18 +49,16 @@ DEFAULTABLE_SAMPLING_FIELDS: dict[str, float] = {
 # yet: set to anything but null/false/empty, they are refused with the reason given.
 _REFUSED_EXTRAS: dict[str, str] = {
     "use_beam_search": "beam search is not supported",
-    "guided_json": "structured output (guided_json) is not supported yet",
-    "guided_regex": "structured output (guided_regex) is not supported yet",
-    "guided_choice": "structured output (guided_choice) is not supported yet",
-    "guided_grammar": "structured output (guided_grammar) is not supported yet",
-    "structured_outputs": "structured output (structured_outputs) is not supported yet",
+    "guided_whitespace_pattern": "guided_whitespace_pattern is not supported; "
+                                 "structured_outputs.disable_any_whitespace is",
     "bad_words": "bad_words is not supported yet",
     "allowed_token_ids": "allowed_token_ids is not supported yet",
     "logits_processors": "per-request logits_processors are not supported",
     "truncate_prompt_tokens": "truncate_prompt_tokens is not supported yet",
     "prompt_embeds": "prompt_embeds is not supported",
     "return_tokens_as_token_ids": "return_tokens_as_token_ids is not supported yet",
-    "cache_salt": "cache_salt is not supported yet",
+    "logprob_token_ids": "logprob_token_ids is not supported over HTTP yet; the library's "
+                         "SamplingParams takes it",
     "kv_transfer_params": "kv_transfer_params is not supported",
     "vllm_xargs": "vllm_xargs is not supported",
     "mm_processor_kwargs": "mm_processor_kwargs is not supported: this server takes text only",
@@ -165,6 +165,17 @@ class ChatCompletionToolParam(OpenAIBaseModel):
     function: FunctionDefinition
 
 
+class FunctionName(OpenAIBaseModel):
+    name: str
+
+
+class ChatCompletionNamedToolChoiceParam(OpenAIBaseModel):
+    """``tool_choice`` naming the one function the model must call."""
+
+    type: Literal["function"] = "function"
+    function: FunctionName
+
+
 def _check_template_kwargs(value: dict[str, Any] | None) -> dict[str, Any] | None:
     for key in value or {}:
         if key in RESERVED_TEMPLATE_KWARGS:
@@ -180,6 +191,101 @@ def _check_generation_prompt(add_generation_prompt: bool, continue_final_message
                          "continue_final_message and add_generation_prompt cannot both be "
                          "true: set add_generation_prompt to false to continue the last "
                          "message")
+
+
+def _check_logprobs_count(value: Any, info: ValidationInfo) -> Any:
+    """A logprobs count: an integer in [0, MAX_LOGPROBS], or -1 for the whole vocabulary."""
+    if value is None:
+        return value
+    name = info.field_name
+    whole = (isinstance(value, int) and not isinstance(value, bool)) or (
+        isinstance(value, float) and value.is_integer())
+    if not whole or not (value == -1 or 0 <= value <= MAX_LOGPROBS):
+        raise FieldError(name or "logprobs",
+                         f"{name} must be an integer from 0 to {MAX_LOGPROBS}, or -1 for "
+                         f"the whole vocabulary, got {value!r}")
+    return int(value)
+
+
+def _check_response_format(value: Any) -> Any:
+    """{"type": "text"}, {"type": "json_object"} or {"type": "json_schema", "json_schema":
+    {"name": ..., "schema": {...}}}; the schema itself is checked with the request."""
+    if value is None:
+        return value
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind in ("text", "json_object"):
+        return value
+    if kind == "json_schema":
+        spec = value.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
+            raise ValueError("response_format json_schema needs a 'json_schema' object with "
+                             "a 'name' and a 'schema'")
+        if not isinstance(spec.get("schema"), (dict, bool)):
+            raise ValueError("response_format json_schema needs json_schema.schema, a JSON "
+                             "Schema object")
+        return value
+    if kind == "structural_tag":
+        raise ValueError("response_format type 'structural_tag' is not supported yet")
+    raise ValueError("response_format must be an object whose type is 'text', "
+                     f"'json_object' or 'json_schema', got {value!r}")
+
+
+# structured_outputs keys beyond the constraint: accepted at a harmless value only
+# (disable_fallback at any: there is one backend, so never a fallback).
+_STRUCTURED_OUTPUTS_HARMLESS: dict[str, Any] = {
+    "disable_additional_properties": False, "whitespace_pattern": None,
+    "structural_tag": None}
+_GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+                  "guided_grammar": "grammar"}
+
+
+def structured_outputs_from_request(response_format: dict[str, Any] | None,
+                                    extras: dict[str, Any]) -> StructuredOutputsParams | None:
+    """The request's output constraint, from the one field that sets it, checked (the
+    schema, regex or grammar compiles): a 400 naming the field otherwise."""
+    given: dict[str, dict[str, Any]] = {}
+    if response_format is not None and response_format["type"] != "text":
+        given["response_format"] = (
+            {"json_object": True} if response_format["type"] == "json_object"
+            else {"json": response_format["json_schema"]["schema"]})
+    if extras.get("structured_outputs") is not None:
+        given["structured_outputs"] = _structured_outputs_fields(extras["structured_outputs"])
+    for name, kind in _GUIDED_FIELDS.items():
+        if extras.get(name) is not None:
+            given[name] = {kind: extras[name]}
+    if not given:
+        return None
+    if len(given) > 1:
+        raise bad_request(f"only one of response_format, structured_outputs, "
+                          f"{', '.join(_GUIDED_FIELDS)} may constrain the output; got "
+                          f"{' and '.join(given)}", list(given)[1])
+    (field, values), = given.items()
+    try:
+        params = StructuredOutputsParams(**values)
+        validate_structured_outputs(params)
+    except ValueError as e:
+        raise bad_request(f"{field}: {e}", field) from None
+    return params
+
+
+def _structured_outputs_fields(value: Any) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise bad_request("structured_outputs must be an object", "structured_outputs")
+    fields: dict[str, Any] = {}
+    for key, item in value.items():
+        if key in StructuredOutputsParams.__dataclass_fields__:
+            fields[key] = item
+        elif key == "disable_fallback":
+            continue
+        elif key in _STRUCTURED_OUTPUTS_HARMLESS:
+            if item not in (_STRUCTURED_OUTPUTS_HARMLESS[key], None):
+                raise bad_request(f"structured_outputs.{key} is not supported",
+                                  "structured_outputs")
+        else:
+            raise bad_request(f"structured_outputs has no field {key!r}; known: "
+                              f"{', '.join(StructuredOutputsParams.__dataclass_fields__)}",
+                              "structured_outputs")
+    return fields
 
 
 def _positive_or_none(value: int | None) -> int | None:
@@ -218,8 +324,26 @@ class _SamplingRequest(OpenAIBaseModel):
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    prompt_logprobs: int | None = None
+    prompt_logprobs: int | None = None  # -1: the whole vocabulary; refused when streaming
+    # vLLM's scheduling extensions: lower priority first under --scheduling-policy
+    # priority (non-zero is refused otherwise); a cache salt shares cached prefixes only
+    # with requests carrying the same salt.
     priority: int = 0
+    cache_salt: str | None = None
+    # Structured output: response_format json_object / json_schema, or vLLM's
+    # structured_outputs object or its older guided_json, guided_regex, guided_choice and
+    # guided_grammar fields (read from the extras); at most one of them.
+    response_format: dict[str, Any] | None = None
+
+    _response_format = field_validator("response_format", mode="before")(
+        _check_response_format)
+
+    @field_validator("cache_salt")
+    @classmethod
+    def _check_cache_salt(cls, value: str | None) -> str | None:
+        if value is not None and not value:
+            raise FieldError("cache_salt", "cache_salt must be a non-empty string if provided")
+        return value
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -244,10 +368,15 @@ class _SamplingRequest(OpenAIBaseModel):
                                  "token ids are >= 0")
         return value
 
+    _prompt_logprobs = field_validator("prompt_logprobs", mode="before")(_check_logprobs_count)
+
     def _check_common(self) -> None:
         if self.stream_options is not None and not self.stream:
             raise FieldError("stream_options",
                              "stream_options can only be set when stream is true")
+        if self.prompt_logprobs is not None and self.stream:
+            raise FieldError("prompt_logprobs",
+                             "prompt_logprobs is not available when stream is true")
         for name, reason in _REFUSED_EXTRAS.items():
             value = (self.model_extra or {}).get(name)
             if value not in (None, False, "", [], {}):
@@ -258,9 +387,8 @@ class _SamplingRequest(OpenAIBaseModel):
 
     def _build_sampling_params(self, max_tokens: int | None,
                                output_kind: RequestOutputKind | None,
-                               defaults: dict[str, Any] | None) -> SamplingParams:
-        if self.prompt_logprobs is not None:
-            raise bad_request("prompt_logprobs is not supported yet", "prompt_logprobs")
+                               defaults: dict[str, Any] | None, logprobs: int | None,
+                               prompt_logprobs: int | None) -> SamplingParams:
         picked: dict[str, Any] = {}
         for name, fallback in DEFAULTABLE_SAMPLING_FIELDS.items():
             value = getattr(self, name)
@@ -284,6 +412,10 @@ class _SamplingRequest(OpenAIBaseModel):
                 logit_bias=({int(k): v for k, v in self.logit_bias.items()}
                             if self.logit_bias else None),
                 output_kind=self._default_output_kind() if output_kind is None else output_kind,
+                logprobs=logprobs,
+                prompt_logprobs=prompt_logprobs,
+                structured_outputs=structured_outputs_from_request(
+                    self.response_format, self.model_extra or {}),
                 **picked,
             )
         except ValueError as exc:
@@ -336,12 +468,13 @@ class CompletionRequest(_SamplingRequest):
 
     prompt: str | list[str] | list[int] | list[list[int]]
     best_of: int | None = None
-    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    logprobs: int | None = None  # the top alternatives per token: 0..20, -1 all
     max_tokens: int | None = COMPLETION_DEFAULT_MAX_TOKENS
     suffix: str | None = None
     add_special_tokens: bool = True
 
     _prompt = field_validator("prompt", mode="before")(_check_prompt)
+    _logprobs = field_validator("logprobs", mode="before")(_check_logprobs_count)
 
     @model_validator(mode="after")
     def _check_request(self) -> CompletionRequest:
@@ -376,11 +509,15 @@ class CompletionRequest(_SamplingRequest):
         streaming and FINAL_ONLY otherwise. ``defaults`` (for example from the model's
         generation config) fill ``DEFAULTABLE_SAMPLING_FIELDS`` the request leaves null.
         Raises a 400 ``OpenAIError`` naming the field for what the engine cannot honour.
+        With echo, the prompt tokens get as many alternatives as the generated ones
+        unless prompt_logprobs says otherwise (vLLM's rule).
         """
-        if self.logprobs is not None:
-            raise bad_request("logprobs is not supported yet", "logprobs")
         max_tokens = self.requested_max_tokens() or default_max_tokens
-        return self._build_sampling_params(max_tokens, output_kind, defaults)
+        prompt_logprobs = self.prompt_logprobs
+        if prompt_logprobs is None and self.echo:
+            prompt_logprobs = self.logprobs
+        return self._build_sampling_params(max_tokens, output_kind, defaults, self.logprobs,
+                                           prompt_logprobs)
 
 
 class ChatCompletionRequest(_SamplingRequest):
@@ -394,12 +531,13 @@ class ChatCompletionRequest(_SamplingRequest):
 
     messages: list[ChatMessageParam] = Field(min_length=1)
     logprobs: bool | None = False
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    top_logprobs: int | None = None  # alternatives per token with logprobs: 0..20, -1 all
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
-    response_format: dict[str, Any] | None = None
     tools: list[ChatCompletionToolParam] | None = None
-    tool_choice: Literal["none", "auto"] | None = None
+    # None: "auto" with tools, "none" without
+    tool_choice: (Literal["none", "auto", "required"] | ChatCompletionNamedToolChoiceParam
+                  | None) = None
     # vLLM's chat extras.
     add_generation_prompt: bool = True
     continue_final_message: bool = False
@@ -409,39 +547,24 @@ class ChatCompletionRequest(_SamplingRequest):
     documents: list[dict[str, Any]] | None = None
 
     _template_kwargs = field_validator("chat_template_kwargs")(_check_template_kwargs)
-
-    @field_validator("response_format", mode="before")
-    @classmethod
-    def _check_response_format(cls, value: Any) -> Any:
-        if value is None:
-            return value
-        kind = value.get("type") if isinstance(value, dict) else None
-        if kind == "text":
-            return value
-        if kind in ("json_object", "json_schema", "structural_tag"):
-            raise ValueError(f"response_format type {kind!r} is not supported yet; "
-                             "only {\"type\": \"text\"} is")
-        raise ValueError("response_format must be an object whose type is 'text', "
-                         f"'json_object' or 'json_schema', got {value!r}")
+    _top_logprobs = field_validator("top_logprobs", mode="before")(_check_logprobs_count)
 
     @field_validator("tool_choice", mode="before")
     @classmethod
     def _check_tool_choice(cls, value: Any) -> Any:
-        if value is None or value in ("none", "auto"):
+        if value is None or value in ("none", "auto", "required"):
             return value
-        if value == "required":
-            raise ValueError("tool_choice 'required' is not supported yet; use 'auto' or 'none'")
-        if isinstance(value, dict) and value.get("type") == "function":
-            name = (value.get("function") or {}).get("name")
-            raise ValueError(f"tool_choice naming a function ({name!r}) is not supported "
-                             "yet; use 'auto' or 'none'")
-        raise ValueError(f"tool_choice must be 'none', 'auto', 'required' or a named "
-                         f"function, got {value!r}")
+        if isinstance(value, dict) and value.get("type") == "function" and isinstance(
+                (value.get("function") or {}).get("name"), str):
+            return value
+        raise ValueError(f"tool_choice must be 'none', 'auto', 'required' or "
+                         f"{{\"type\": \"function\", \"function\": {{\"name\": ...}}}}, "
+                         f"got {value!r}")
 
     @model_validator(mode="after")
     def _check_request(self) -> ChatCompletionRequest:
         self._check_common()
-        if self.top_logprobs is not None and not self.logprobs:
+        if self.top_logprobs not in (None, 0) and not self.logprobs:
             raise FieldError("top_logprobs", "top_logprobs needs logprobs set to true")
         _check_generation_prompt(self.add_generation_prompt, self.continue_final_message)
         if self.chat_template is not None:
@@ -449,7 +572,24 @@ class ChatCompletionRequest(_SamplingRequest):
                              "the server renders with the model's template")
         if self.documents:
             raise FieldError("documents", "documents is not supported")
+        self._check_tools()
         return self
+
+    def _check_tools(self) -> None:
+        """vLLM's rules: a tool_choice other than "none" needs tools, a named function
+        must be one of them."""
+        choice = self.tool_choice
+        if choice in (None, "none"):
+            return
+        if not self.tools:
+            what = repr(choice) if isinstance(choice, str) else "naming a function"
+            raise FieldError("tool_choice", f"tool_choice {what} needs tools: set tools")
+        if isinstance(choice, ChatCompletionNamedToolChoiceParam):
+            names = [t.function.name for t in self.tools]
+            if choice.function.name not in names:
+                raise FieldError("tool_choice", f"tool_choice names function "
+                                 f"{choice.function.name!r}, which is not in tools "
+                                 f"({', '.join(map(repr, names))})")
 
     def template_messages(self) -> list[dict[str, Any]]:
         return [m.to_template() for m in self.messages]
@@ -467,10 +607,10 @@ class ChatCompletionRequest(_SamplingRequest):
                            output_kind: RequestOutputKind | None = None, *,
                            defaults: dict[str, Any] | None = None) -> SamplingParams:
         """As ``CompletionRequest.to_sampling_params``, with the chat max_tokens rule."""
-        if self.logprobs:
-            raise bad_request("logprobs is not supported yet", "logprobs")
         max_tokens = self.requested_max_tokens() or default_max_tokens
-        return self._build_sampling_params(max_tokens, output_kind, defaults)
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        return self._build_sampling_params(max_tokens, output_kind, defaults, logprobs,
+                                           self.prompt_logprobs)
 
 
 class TokenizeCompletionRequest(OpenAIBaseModel):
@@ -549,12 +689,56 @@ class UsageInfo(OpenAIBaseModel):
         return data
 
 
+# vLLM's prompt_logprobs JSON: one entry per prompt token, null for the first, else
+# {"<token id>": {"logprob", "rank", "decoded_token"}} with the prompt token first.
+PromptLogprobsJSON = list[dict[str, dict[str, Any]] | None]
+
+
+class CompletionLogProbs(OpenAIBaseModel):
+    """A completion choice's logprobs: one entry per token in every list (with echo, the
+    prompt tokens first, their first entry null); ``top_logprobs`` maps each alternative's
+    text, and the token's own, to its logprob."""
+
+    text_offset: list[int] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    tokens: list[str] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+
+
+class ChatCompletionLogProb(OpenAIBaseModel):
+    token: str
+    logprob: float = -9999.0
+    bytes: list[int] | None = None  # the token text's UTF-8 bytes
+
+
+class ChatCompletionLogProbsContent(ChatCompletionLogProb):
+    top_logprobs: list[ChatCompletionLogProb] = Field(default_factory=list)
+
+
+class ChatCompletionLogProbs(OpenAIBaseModel):
+    content: list[ChatCompletionLogProbsContent] | None = None
+    refusal: list[ChatCompletionLogProbsContent] | None = None  # always null here
+
+
+def _drop_null(data: dict[str, Any], key: str) -> dict[str, Any]:
+    if data.get(key) is None:
+        data.pop(key, None)
+    return data
+
+
 class CompletionResponseChoice(OpenAIBaseModel):
+    """``prompt_logprobs`` is left out of the JSON unless the request asked for them."""
+
     index: int
     text: str
-    logprobs: dict[str, Any] | None = None
+    logprobs: CompletionLogProbs | None = None
     finish_reason: str | None = None  # "stop", "length" or "abort"
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    prompt_logprobs: PromptLogprobsJSON | None = None
+
+    @model_serializer(mode="wrap")
+    def _serialize(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return _drop_null(handler(self), "prompt_logprobs")
 
 
 class CompletionResponse(OpenAIBaseModel):
@@ -569,7 +753,7 @@ class CompletionResponse(OpenAIBaseModel):
 class CompletionResponseStreamChoice(OpenAIBaseModel):
     index: int
     text: str  # the new text since the previous chunk
-    logprobs: dict[str, Any] | None = None
+    logprobs: CompletionLogProbs | None = None  # of the new tokens
     finish_reason: str | None = None
     stop_reason: int | str | None = None
 
@@ -617,30 +801,51 @@ class ChatMessage(OpenAIBaseModel):
 class ChatCompletionResponseChoice(OpenAIBaseModel):
     index: int
     message: ChatMessage
-    logprobs: dict[str, Any] | None = None
+    logprobs: ChatCompletionLogProbs | None = None
     finish_reason: str | None = None  # "stop", "length", "tool_calls" or "abort"
     stop_reason: int | str | None = None
 
 
 class ChatCompletionResponse(OpenAIBaseModel):
+    """``prompt_logprobs`` is left out of the JSON unless the request asked for them."""
+
     id: str = Field(default_factory=lambda: random_id("chatcmpl"))
     object: Literal["chat.completion"] = "chat.completion"
     created: int = Field(default_factory=_now)
     model: str
     choices: list[ChatCompletionResponseChoice]
     usage: UsageInfo
+    prompt_logprobs: PromptLogprobsJSON | None = None
+
+    @model_serializer(mode="wrap")
+    def _serialize(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return _drop_null(handler(self), "prompt_logprobs")
 
 
 class DeltaFunctionCall(OpenAIBaseModel):
+    """A call's name (first delta only) and the next fragment of its arguments; what is
+    not carried is left out of the JSON, as in OpenAI's streams."""
+
     name: str | None = None
     arguments: str | None = None
 
+    @model_serializer(mode="wrap")
+    def _drop_unset(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if v is not None}
+
 
 class DeltaToolCall(OpenAIBaseModel):
+    """One tool call's part of a stream delta: ``id`` and ``type`` on its first delta only
+    (left out of the JSON otherwise)."""
+
     index: int
     id: str | None = None
     type: Literal["function"] | None = None
     function: DeltaFunctionCall | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_unset(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if v is not None}
 
 
 class DeltaMessage(OpenAIBaseModel):
@@ -660,7 +865,7 @@ class DeltaMessage(OpenAIBaseModel):
 class ChatCompletionResponseStreamChoice(OpenAIBaseModel):
     index: int
     delta: DeltaMessage
-    logprobs: dict[str, Any] | None = None
+    logprobs: ChatCompletionLogProbs | None = None  # of the delta's tokens
     finish_reason: str | None = None
     stop_reason: int | str | None = None
 

@@ -7,12 +7,12 @@ from typing import Any
 
 from vllmpy.entrypoints.openai.errors import OpenAIError
 from vllmpy.entrypoints.openai.protocol import (
+    ChatCompletionLogProbs,
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChatCompletionResponseChoice,
     ChatCompletionResponseStreamChoice,
     ChatCompletionStreamResponse,
-    ChatMessage,
     DeltaMessage,
     UsageInfo,
     random_id,
@@ -20,14 +20,18 @@ from vllmpy.entrypoints.openai.protocol import (
 from vllmpy.entrypoints.openai.serving_common import (
     SSE_DONE,
     ServerContext,
+    chat_logprobs,
     check_prompt_bytes,
     error_frame,
     merged_outputs,
     now,
+    prompt_logprobs_json,
     sse,
     usage_info,
     validate_prompt,
 )
+from vllmpy.entrypoints.openai.tool_parsers.chat_output import ChoiceStreams, plan_for
+from vllmpy.outputs import CompletionOutput
 from vllmpy.sampling_params import RequestOutputKind, SamplingParams
 
 
@@ -69,29 +73,43 @@ class ChatHandler:
             params = req.to_sampling_params(output_kind=kind)
         except ValueError as e:
             raise OpenAIError(400, str(e)) from None
-        validate_prompt(self.ctx, ids, params)
+        plan_for(self.ctx, req, ids).apply(params)  # tool choice and parser needs
+        validate_prompt(self.ctx, ids, params, req.priority)
         request_id = random_id("chatcmpl")
         if self.ctx.log_requests:
             self.ctx.log(request_id, f"chat prompt_tokens={len(ids)} params={params!r}")
         return request_id, ids, params
 
+    def _logprobs(self, params: SamplingParams,
+                  c: CompletionOutput) -> ChatCompletionLogProbs | None:
+        """The logprobs of a choice's (new) tokens; None unless asked."""
+        if params.logprobs is None:
+            return None
+        return chat_logprobs(list(c.token_ids), [*(c.logprobs or [])],
+                             self.ctx.engine.tokenizer, params.logprobs)
+
     async def full(self, req: ChatCompletionRequest) -> dict[str, Any]:
         request_id, ids, params = self.prepare(req, stream=False)
         final = None
-        async for _, out in merged_outputs(self.ctx.engine, [(ids, params, request_id)]):
+        async for _, out in merged_outputs(self.ctx.engine, [(ids, params, request_id)],
+                                           req.priority, req.cache_salt):
             final = out
         assert final is not None
         choices = []
+        plan = plan_for(self.ctx, req, ids)
         for c in final.outputs:
+            message, finish_reason = plan.message(c.text, c.finish_reason)
             choices.append(ChatCompletionResponseChoice(
-                index=c.index, message=ChatMessage(role="assistant", content=c.text),
-                finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+                index=c.index, message=message,
+                finish_reason=finish_reason, stop_reason=c.stop_reason,
+                logprobs=self._logprobs(params, c)))
             if self.ctx.log_outputs:
                 self.ctx.log(request_id, f"output {c.index}: {c.text!r}")
         completion_tokens = sum(len(c.token_ids) for c in final.outputs)
         return ChatCompletionResponse(
             id=request_id, model=self.ctx.served_model_name, choices=choices,
             usage=usage_info(len(ids), completion_tokens, final.num_cached_tokens),
+            prompt_logprobs=prompt_logprobs_json(final.prompt_logprobs),
         ).model_dump(mode="json")
 
     async def stream(self, req: ChatCompletionRequest, request_id: str, ids: list[int],
@@ -111,17 +129,23 @@ class ChatHandler:
         first = [ChatCompletionResponseStreamChoice(
             index=i, delta=DeltaMessage(role="assistant", content="")) for i in range(params.n)]
         yield chunk(first, usage_info(len(ids), 0) if continuous else None)
+        streams = ChoiceStreams(plan_for(self.ctx, req, ids))
         try:
-            async for _, out in merged_outputs(self.ctx.engine, [(ids, params, request_id)]):
+            async for _, out in merged_outputs(self.ctx.engine, [(ids, params, request_id)],
+                                               req.priority, req.cache_salt):
                 cached = max(cached, out.num_cached_tokens)
                 choices = []
                 for c in out.outputs:
                     generated[c.index] = generated.get(c.index, 0) + len(c.token_ids)
-                    if not c.text and c.finish_reason is None:
+                    logprobs = self._logprobs(params, c) if c.token_ids else None
+                    delta = streams.delta(c.index, c.text, c.finish_reason is not None)
+                    if delta is None and c.finish_reason is None and logprobs is None:
                         continue
                     choices.append(ChatCompletionResponseStreamChoice(
-                        index=c.index, delta=DeltaMessage(content=c.text or None),
-                        finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+                        index=c.index, delta=delta or DeltaMessage(),
+                        finish_reason=streams.finish_reason(c.index, c.finish_reason),
+                        stop_reason=c.stop_reason,
+                        logprobs=logprobs))
                 if choices:
                     usage = usage_info(len(ids), sum(generated.values())) if continuous else None
                     yield chunk(choices, usage)

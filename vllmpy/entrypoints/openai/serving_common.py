@@ -16,8 +16,16 @@ from starlette.requests import Request
 from vllmpy import envs
 from vllmpy.engine.async_llm import AsyncLLM
 from vllmpy.entrypoints.openai.errors import OpenAIError, validation_error_to_openai
-from vllmpy.entrypoints.openai.protocol import PromptTokenUsageInfo, UsageInfo
-from vllmpy.outputs import RequestOutput
+from vllmpy.entrypoints.openai.protocol import (
+    ChatCompletionLogProb,
+    ChatCompletionLogProbs,
+    ChatCompletionLogProbsContent,
+    CompletionLogProbs,
+    PromptLogprobsJSON,
+    PromptTokenUsageInfo,
+    UsageInfo,
+)
+from vllmpy.outputs import Logprob, PromptLogprobs, RequestOutput
 from vllmpy.sampling_params import SamplingParams
 
 M = TypeVar("M", bound=pydantic.BaseModel)
@@ -36,6 +44,8 @@ class ServerContext:
     log_requests: bool
     log_outputs: bool
     max_log_len: int
+    tool_parser: str | None = None  # the resolved --tool-call-parser; None: off
+    reasoning_parser: str | None = None  # the resolved --reasoning-parser; None: off
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.served_model_name:
@@ -84,23 +94,36 @@ def check_prompt_bytes(ctx: ServerContext, text: str, param: str = "prompt") -> 
             f"truncated", param=param)
 
 
-def validate_prompt(ctx: ServerContext, ids: list[int], params: SamplingParams) -> None:
+def validate_prompt(ctx: ServerContext, ids: list[int], params: SamplingParams,
+                    priority: int = 0) -> None:
     """The engine's own admission checks, run before a response starts (a 400 then)."""
+    try:
+        ctx.engine.input_processor.check_priority(priority)
+    except ValueError as e:
+        raise OpenAIError(400, str(e), param="priority") from None
+    if params.structured_outputs is not None and ctx.engine.tokenizer is None:
+        raise OpenAIError(400, "structured output needs the model's tokenizer, and this "
+                          "server runs without one (--skip-tokenizer-init)")
     try:
         ctx.engine.input_processor.process("validate", ids, params)
     except ValueError as e:
         raise OpenAIError(400, str(e)) from None
 
 
-async def merged_outputs(engine: AsyncLLM, jobs: list[tuple[Any, SamplingParams, str]]
+async def merged_outputs(engine: AsyncLLM, jobs: list[tuple[Any, SamplingParams, str]],
+                         priority: int = 0, cache_salt: str | None = None,
                          ) -> AsyncIterator[tuple[int, RequestOutput]]:
     """Run several engine requests at once; yield (job index, output) as they arrive.
-    Leaving early (a disconnect) cancels every job, which aborts them in the engine."""
+    Leaving early (a disconnect) cancels every job, which aborts them in the engine.
+    ``priority`` and ``cache_salt`` (the request body's) apply to every job; a job's
+    prompt is then token ids."""
     queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
 
     async def run(i: int, prompt: Any, params: SamplingParams, rid: str) -> None:
+        if cache_salt is not None:
+            prompt = {"prompt_token_ids": prompt, "cache_salt": cache_salt}
         try:
-            async for out in engine.generate(prompt, params, rid):
+            async for out in engine.generate(prompt, params, rid, priority=priority):
                 queue.put_nowait((i, out))
         except BaseException as e:  # noqa: BLE001 - forwarded to the consumer
             queue.put_nowait((i, e))
@@ -209,3 +232,82 @@ class ClientDisconnected(Exception):
 
 def now() -> int:
     return int(time.time())
+
+
+# ---- logprobs in the OpenAI shapes (vLLM's rules) ---------------------------------------
+
+_MIN_LOGPROB = -9999.0  # what OpenAI sends for -inf, which JSON cannot carry
+
+
+def _clamp(value: float) -> float:
+    return max(value, _MIN_LOGPROB)
+
+
+def _token_text(tokenizer: Any, token_id: int, logprob: Logprob | None = None) -> str:
+    """A token's text alone: the engine's decoding when it has one."""
+    if logprob is not None and logprob.decoded_token is not None:
+        return logprob.decoded_token
+    if tokenizer is None:
+        return ""
+    try:
+        return tokenizer.decode([token_id], skip_special_tokens=False)
+    except ValueError:
+        return ""
+
+
+def prompt_logprobs_json(prompt_logprobs: PromptLogprobs | None) -> PromptLogprobsJSON | None:
+    """vLLM's prompt_logprobs: per prompt token null (the first) or
+    {"<token id>": {"logprob", "rank", "decoded_token"}}."""
+    if prompt_logprobs is None:
+        return None
+    return [None if step is None else {
+        str(token_id): {"logprob": _clamp(lp.logprob), "rank": lp.rank,
+                        "decoded_token": lp.decoded_token}
+        for token_id, lp in step.items()} for step in prompt_logprobs]
+
+
+def completion_logprobs(token_ids: list[int], steps: list[dict[int, Logprob] | None],
+                        tokenizer: Any, initial_text_offset: int = 0) -> CompletionLogProbs:
+    """/v1/completions logprobs of ``token_ids`` (with echo, the prompt's first): a step
+    without logprobs (the first prompt token) gives null entries; ``top_logprobs`` maps the
+    text of the token and of each alternative to its logprob, as vLLM does."""
+    out = CompletionLogProbs()
+    offset = initial_text_offset
+    for token_id, step in zip(token_ids, steps):
+        own = step.get(token_id) if step else None
+        token = _token_text(tokenizer, token_id, own)
+        out.tokens.append(token)
+        out.text_offset.append(offset)
+        offset += len(token)
+        if own is None or not step:
+            out.token_logprobs.append(None)
+            out.top_logprobs.append(None)
+            continue
+        out.token_logprobs.append(_clamp(own.logprob))
+        out.top_logprobs.append({_token_text(tokenizer, t, lp): _clamp(lp.logprob)
+                                 for t, lp in step.items()})
+    return out
+
+
+def _chat_logprob(tokenizer: Any, token_id: int, lp: Logprob | None) -> ChatCompletionLogProb:
+    token = _token_text(tokenizer, token_id, lp)
+    return ChatCompletionLogProb(
+        token=token, logprob=_MIN_LOGPROB if lp is None else _clamp(lp.logprob),
+        bytes=list(token.encode("utf-8", errors="replace")))
+
+
+def chat_logprobs(token_ids: list[int], steps: list[dict[int, Logprob] | None], tokenizer: Any,
+                  top_logprobs: int) -> ChatCompletionLogProbs:
+    """/v1/chat/completions logprobs: per token its logprob and the ``top_logprobs`` most
+    likely alternatives by rank (-1: all the engine returned)."""
+    content = []
+    for token_id, step in zip(token_ids, steps):
+        own = step.get(token_id) if step else None
+        entry = _chat_logprob(tokenizer, token_id, own)
+        ranked = sorted((step or {}).items(), key=lambda item: item[1].rank or 0)
+        if top_logprobs >= 0:
+            ranked = ranked[:top_logprobs]
+        content.append(ChatCompletionLogProbsContent(
+            **entry.model_dump(), top_logprobs=[_chat_logprob(tokenizer, t, lp)
+                                                 for t, lp in ranked]))
+    return ChatCompletionLogProbs(content=content)

@@ -7,6 +7,7 @@ from typing import Any
 
 from vllmpy.entrypoints.openai.errors import OpenAIError
 from vllmpy.entrypoints.openai.protocol import (
+    CompletionLogProbs,
     CompletionRequest,
     CompletionResponse,
     CompletionResponseChoice,
@@ -19,14 +20,16 @@ from vllmpy.entrypoints.openai.serving_common import (
     SSE_DONE,
     ServerContext,
     check_prompt_bytes,
+    completion_logprobs,
     error_frame,
     merged_outputs,
     now,
+    prompt_logprobs_json,
     sse,
     usage_info,
     validate_prompt,
 )
-from vllmpy.outputs import RequestOutput
+from vllmpy.outputs import CompletionOutput, PromptLogprobs, RequestOutput
 from vllmpy.sampling_params import RequestOutputKind, SamplingParams
 
 
@@ -66,7 +69,7 @@ class CompletionHandler:
         request_id = random_id("cmpl")
         jobs = []
         for i, (_, ids) in enumerate(prompts):
-            validate_prompt(self.ctx, ids, params)
+            validate_prompt(self.ctx, ids, params, req.priority)
             jobs.append((ids, params, f"{request_id}-{i}"))
         if self.ctx.log_requests:
             self.ctx.log(request_id, f"completion prompts={[t or ids for t, ids in prompts]!r} "
@@ -79,10 +82,24 @@ class CompletionHandler:
         tok = self.ctx.engine.tokenizer
         return tok.decode(ids, skip_special_tokens=False) if tok is not None else ""
 
+    def _logprobs(self, params: SamplingParams, c: CompletionOutput,
+                  echo_ids: list[int] | None, prompt_logprobs: PromptLogprobs | None,
+                  text_offset: int = 0) -> CompletionLogProbs | None:
+        """A choice's logprobs (None unless asked); with echo, the prompt tokens' first."""
+        if params.logprobs is None:
+            return None
+        token_ids = list(c.token_ids)
+        steps: PromptLogprobs = list(c.logprobs or [])
+        if echo_ids is not None:
+            token_ids = [*echo_ids, *token_ids]
+            steps = [*(prompt_logprobs or [None] * len(echo_ids)), *steps]
+        return completion_logprobs(token_ids, steps, self.ctx.engine.tokenizer, text_offset)
+
     async def full(self, req: CompletionRequest) -> dict[str, Any]:
         request_id, prompts, params, jobs = self.prepare(req, stream=False)
         finals: dict[int, RequestOutput] = {}
-        async for i, out in merged_outputs(self.ctx.engine, jobs):
+        async for i, out in merged_outputs(self.ctx.engine, jobs, req.priority,
+                                           req.cache_salt):
             finals[i] = out
         choices = []
         completion_tokens = cached = 0
@@ -94,7 +111,10 @@ class CompletionHandler:
                 body = (self._echo(text, ids) if req.echo else "") + c.text
                 choices.append(CompletionResponseChoice(
                     index=i * params.n + c.index, text=body, finish_reason=c.finish_reason,
-                    stop_reason=c.stop_reason))
+                    stop_reason=c.stop_reason,
+                    logprobs=self._logprobs(params, c, ids if req.echo else None,
+                                            out.prompt_logprobs),
+                    prompt_logprobs=prompt_logprobs_json(out.prompt_logprobs)))
                 if self.ctx.log_outputs:
                     self.ctx.log(request_id, f"output {c.index}: {c.text!r}")
         prompt_tokens = sum(len(ids) for _, ids in prompts)
@@ -109,7 +129,8 @@ class CompletionHandler:
         prompt_tokens = sum(len(ids) for _, ids in prompts)
         generated: dict[int, int] = {}
         echoed: set[int] = set()
-        cached = 0
+        cached: dict[int, int] = {}  # per prompt
+        text_offsets: dict[int, int] = {}  # per choice: the text sent so far (logprobs)
 
         def chunk(choices: list[CompletionResponseStreamChoice],
                   usage: UsageInfo | None = None) -> str:
@@ -118,27 +139,35 @@ class CompletionHandler:
                 choices=choices, usage=usage))
 
         try:
-            async for i, out in merged_outputs(self.ctx.engine, jobs):
-                cached = max(cached, out.num_cached_tokens)
+            async for i, out in merged_outputs(self.ctx.engine, jobs, req.priority,
+                                               req.cache_salt):
+                cached[i] = max(cached.get(i, 0), out.num_cached_tokens)
                 choices = []
                 for c in out.outputs:
                     index = i * params.n + c.index
                     text = c.text
+                    echo_ids = None
                     if req.echo and index not in echoed:
                         echoed.add(index)
                         text = self._echo(*prompts[i]) + text
+                        echo_ids = prompts[i][1]
                     generated[index] = generated.get(index, 0) + len(c.token_ids)
                     if not text and not c.token_ids and c.finish_reason is None:
                         continue
+                    offset = text_offsets.get(index, 0)
+                    text_offsets[index] = offset + len(text)
                     choices.append(CompletionResponseStreamChoice(
                         index=index, text=text, finish_reason=c.finish_reason,
-                        stop_reason=c.stop_reason))
+                        stop_reason=c.stop_reason,
+                        logprobs=self._logprobs(params, c, echo_ids, out.prompt_logprobs,
+                                                offset)))
                 if choices:
                     usage = (usage_info(prompt_tokens, sum(generated.values()))
                              if continuous else None)
                     yield chunk(choices, usage)
             if include_usage:
-                yield chunk([], usage_info(prompt_tokens, sum(generated.values()), cached))
+                yield chunk([], usage_info(prompt_tokens, sum(generated.values()),
+                                           sum(cached.values())))
         except Exception as e:  # noqa: BLE001 - a failed request ends its own stream only
             yield error_frame(e)
         yield SSE_DONE
