@@ -83,10 +83,9 @@ REGEXES = [r"[0-9]{3}-[0-9]{4}", r"(yes|no), because [a-z ]{1,20}\.",
 CHOICES = [["positive", "negative"], ["Paris", "London", "Berlin"], ["A", "B", "C", "D"],
            ['say "yes"', "say no"]]
 ARITHMETIC = """
-root ::= expr
-expr ::= term (("+" | "-") term)*
-term ::= factor (("*" | "/") factor)*
-factor ::= [0-9]+ | "(" expr ")"
+root ::= operand op operand (op operand)?
+operand ::= [1-9] [0-9]? | "(" operand op operand ")"
+op ::= " + " | " - " | " * "
 """
 WORD_LIST = """
 root ::= "[" item ("," item)* "]"

@@ -2,6 +2,7 @@
 grammar, with xgrammar.
 
 - ``params``: ``StructuredOutputsParams``, what a request asks for (vLLM's names).
+- ``schema_check``: refuses JSON Schema keywords the grammar would silently not enforce.
 - ``backend_xgrammar``: constraint -> grammar, our tokenizer -> xgrammar's view, compile.
 - ``manager``: the engine core's compiler pool and cache, per-step bitmask, jump-forward.
 - ``request``: one request's compilation in flight, then its matcher.

@@ -86,7 +86,7 @@ def test_structured_outputs_regex_streams_a_match(server):
                                      "uniqueItems": True}}},
      "guided_json", "'uniqueItems': true is not supported"),
     ({"extra_body": {"guided_regex": "a(b"}}, "guided_regex", "invalid regex"),
-    ({"extra_body": {"guided_choice": ["a"], "guided_regex": "a"}}, "guided_regex",
+    ({"extra_body": {"guided_choice": ["a"], "guided_regex": "a"}}, "guided_choice",
      "got guided_regex and guided_choice"),
 ])
 def test_an_invalid_constraint_is_a_400_naming_the_problem(server, body, param, needle):
