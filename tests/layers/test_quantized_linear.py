@@ -48,7 +48,7 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 def test_dequantize_is_the_gguf_package_bit_for_bit(qtype):
     w = weights(48, 4 * BLOCK, seed=0)
     qt = quantize(w, qtype)
-    assert torch.equal(qt.dequantize(), reference(qtype, w))
+    assert torch.equal(qt.dense(), reference(qtype, w))
     # As a tensor it stands for its dequantized weights, in its own dtype.
     assert torch.equal(qt, reference(qtype, w))
     half = quantize(w, qtype, torch.bfloat16)
@@ -115,7 +115,7 @@ def test_int4_scales_round_only_to_bfloat16():
     (_, scales_zeros), = packed.passes
     s = scales_zeros[..., 0].float().t().repeat_interleave(BLOCK, 1)
     z = scales_zeros[..., 1].float().t().repeat_interleave(BLOCK, 1)
-    codes = qt.dequantize(torch.float32)  # recover the codes from the exact weights
+    codes = qt.dense(torch.float32)  # recover the codes from the exact weights
     d, m = _q4_1_scales(qt)
     codes = torch.round((codes - m) / d)
     assert codes.min() >= 0 and codes.max() <= 15

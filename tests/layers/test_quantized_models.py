@@ -152,7 +152,7 @@ def _logprob_errors(path: str, prompt: str | list[int], monkeypatch,
     exact = _prompt_logprobs(LLM(path, dtype="float32", **kwargs), prompt)
     quant = _prompt_logprobs(LLM(path, dtype="bfloat16", **kwargs), prompt)
     with monkeypatch.context() as m:
-        m.setattr(linear, "int4_supported", lambda *args: False)
+        m.setattr(linear, "int4_supported", lambda *args, **kwargs: False)
         dense = _prompt_logprobs(LLM(path, dtype="bfloat16", **kwargs), prompt)
     return (quant - exact).abs().mean().item(), (dense - exact).abs().mean().item()
 
@@ -217,11 +217,12 @@ def _greedy_with_margins(llm: LLM) -> list[tuple[list[int], list[float]]]:
 @pytest.mark.slow
 def test_smollm2_4_bit_greedy_agrees_with_dequantized_bfloat16(smollm2, monkeypatch):
     """Measured (SmolLM2-135M-Instruct Q4_1, 8 prompts + 4 chats, 32 tokens): 4 of 12
-    continuations identical, and every divergence at a step where the dequantized run's
-    top two were within 0.25 (one or two bfloat16 steps). The dequantized bfloat16 path
-    itself keeps only 6 of 12 whole continuations of float32."""
+    continuations identical (2 of the 8 prompts), and every divergence at a step where the
+    dequantized run's top two were within 0.25 (one or two bfloat16 steps). bfloat16 itself
+    is that fragile here: the dequantized bfloat16 path keeps 5 of 12 whole continuations
+    of float32."""
     quant = _greedy_with_margins(LLM(smollm2, device="cpu", dtype="bfloat16", num_blocks=64))
-    monkeypatch.setattr(linear, "int4_supported", lambda *args: False)
+    monkeypatch.setattr(linear, "int4_supported", lambda *args, **kwargs: False)
     dense = _greedy_with_margins(LLM(smollm2, device="cpu", dtype="bfloat16", num_blocks=64))
     same = 0
     for (q_ids, _), (d_ids, d_margins) in zip(quant, dense):
@@ -237,8 +238,8 @@ def test_smollm2_4_bit_greedy_agrees_with_dequantized_bfloat16(smollm2, monkeypa
 
 @pytest.mark.slow
 def test_smollm2_4_bit_logprobs_are_as_close_to_float32_as_bfloat16(smollm2, monkeypatch):
-    """Teacher-forced log-probabilities of a few hundred tokens of text: measured mean
-    error against float32 of XXX for the 4-bit path, XXX for the dequantized bfloat16 path."""
+    """Teacher-forced log-probabilities of 244 tokens of text: measured mean error against
+    float32 of 0.026 for the 4-bit path, 0.025 for the dequantized bfloat16 path."""
     text = " ".join(PROMPTS) + " " + " ".join(
         m["content"] for chat in CHATS for m in chat) * 4
     quant_err, dense_err = _logprob_errors(smollm2, text, monkeypatch, device="cpu",

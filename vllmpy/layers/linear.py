@@ -46,7 +46,7 @@ def default_weight_loader(param: torch.Tensor, loaded: torch.Tensor, name: str =
     """Copy ``loaded`` into ``param``; a quantized tensor is dequantized to its dtype."""
     _check_shape(name, param, loaded)
     if isinstance(loaded, QuantizedTensor):
-        loaded = loaded.dequantize(param.dtype)
+        loaded = loaded.dense(param.dtype)
     with torch.no_grad():
         param.copy_(loaded)
 
@@ -72,8 +72,8 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         int4 = self.int4
-        if int4 is not None and (self.weight is None
-                                 or x.shape[0] <= INT4_MAX_TOKENS_BESIDE_DENSE):
+        if int4 is not None and (x.shape[0] <= INT4_MAX_TOKENS_BESIDE_DENSE
+                                 or self.weight is None):
             y = int4_linear(x, int4)
             return y if self.bias is None else y + self.bias
         if x.is_cuda and x.dim() == 2 and x.shape[0] == 1 and self.output_size <= 32768:
@@ -165,8 +165,10 @@ class PackedLinear(Linear):
             default_weight_loader(param.narrow(0, offset, size), qt)
 
 
-def tie_quantized_lm_head(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
-                          embedding: str = "model.embed_tokens") -> Iterator[tuple[str, torch.Tensor]]:
+def tie_quantized_lm_head(
+    model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
+    embedding: str = "model.embed_tokens",
+) -> Iterator[tuple[str, torch.Tensor]]:
     """Pass a tied model's checkpoint through; if its embedding comes quantized in a form
     the 4-bit matmul runs (Q8_0 in two passes), give the model an ``lm_head`` that shares
     the embedding's dense weight (for large batches) and holds a 4-bit copy (for up to

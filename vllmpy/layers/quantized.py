@@ -39,7 +39,7 @@ class QuantizedTensor(torch.Tensor):
     """One block-quantized matrix as a GGUF file stores it, in Hugging Face orientation.
 
     To everything that does not know about it, it is the dequantized [rows, cols] tensor of
-    ``dtype``: any torch operation on it runs on ``dequantize()`` (so copying it into a
+    ``dtype``: any torch operation on it runs on ``dense()`` (so copying it into a
     parameter, ``.to()``, ``torch.equal`` all see the weights). A layer that knows reads
     ``quant_type`` and ``blocks`` instead and keeps the weight quantized.
 
@@ -78,10 +78,10 @@ class QuantizedTensor(torch.Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # type: ignore[override]
-        def dense(t: object) -> object:
-            return t.dequantize(t.dtype) if isinstance(t, QuantizedTensor) else t
+        def unwrap(t: object) -> object:
+            return t.dense() if isinstance(t, QuantizedTensor) else t
 
-        return func(*tree_map(dense, args), **tree_map(dense, kwargs or {}))
+        return func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs or {}))
 
     def with_blocks(self, blocks: torch.Tensor) -> QuantizedTensor:
         """The same type and dtype over other rows (``blocks`` [new_rows, bytes_per_row])."""
@@ -103,7 +103,7 @@ class QuantizedTensor(torch.Tensor):
         codes = torch.cat([nibbles & 0x0F, nibbles >> 4], dim=-1)
         return codes, d, m
 
-    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:  # type: ignore[override]
+    def dense(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The weights as a [rows, cols] ``dtype`` tensor, computed in float32 exactly as the
         ``gguf`` package (and llama.cpp) do, then rounded once to ``dtype`` (default: the
         tensor's own dtype)."""
@@ -154,7 +154,7 @@ def _pack(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
           dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """codes [rows, n_blocks, 32] in 0..15, scale and zero [rows, n_blocks, 1] -> one pass."""
     rows = codes.shape[0]
-    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+    packed = torch._convert_weight_to_int4pack_for_cpu(
         codes.reshape(rows, -1).to(torch.int32), 1)
     # [rows, n_blocks, 2] -> [n_blocks, rows, 2]
     scales_zeros = torch.cat([scale, zero], dim=-1).transpose(0, 1).to(dtype).contiguous()
@@ -184,7 +184,7 @@ def int4_linear(x: torch.Tensor, weight: Int4Weight) -> torch.Tensor:
     if not x.is_contiguous():
         x = x.contiguous()
     (packed, scales_zeros), *rest = weight.passes
-    out = torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, BLOCK, scales_zeros)
+    out = torch._weight_int4pack_mm_for_cpu(x, packed, BLOCK, scales_zeros)
     for packed, scales_zeros in rest:
-        out += torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, BLOCK, scales_zeros)
+        out += torch._weight_int4pack_mm_for_cpu(x, packed, BLOCK, scales_zeros)
     return out
