@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from models.test_tiny_models import COMMON, _make, _prompts
+
 from vllmpy import LLM, SamplingParams
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])

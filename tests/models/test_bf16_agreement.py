@@ -14,8 +14,8 @@ import math
 
 import pytest
 import torch
-
 from models.test_tiny_models import COMMON, _make, _prompts
+
 from vllmpy import LLM, SamplingParams
 
 TIE_ULPS = 4  # a margin within this many bf16 units of the largest logit is a tie
