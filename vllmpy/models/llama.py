@@ -111,9 +111,12 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """[num_sampled, hidden_size] -> [num_sampled, vocab_size]"""
-        if self.lm_head is not None:
-            return self.lm_head(hidden_states)
-        return torch.nn.functional.linear(hidden_states, self.model.embed_tokens.weight)
+        head = self.lm_head
+        if head is not None and head.int4 is not None:
+            return head(hidden_states)  # a 4-bit head (see layers.linear)
+        weight = self.model.embed_tokens.weight if head is None else head.weight
+        assert weight is not None  # a head without a 4-bit copy keeps its dense weight
+        return torch.nn.functional.linear(hidden_states, weight)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load checkpoint tensors (Hugging Face names); returns the parameter names loaded."""
