@@ -367,14 +367,8 @@ class Scheduler:
         limit = min(request.max_tokens - request.num_output_tokens,
                     self.max_model_len - request.num_tokens)
         forced = self.structured_output_manager.jump_forward_tokens(so_request, limit)
-        for token_id in forced:
-            request.append_output_token_id(token_id)
-            new_token_ids.append(token_id)
-            status = self._check_stop(request, token_id)
-            if status is not None:
-                self.running.remove(request)
-                self._finish(request, status)
-                return
+        if self._append_tokens(request, forced, new_token_ids):
+            return
         if forced:
             self._jump_forward_pending.setdefault(request.request_id, []).extend(forced)
 
@@ -458,15 +452,8 @@ class Scheduler:
                     outputs.append(EngineCoreOutput(req_id, [],
                                                     new_prompt_logprobs=prompt_logprobs))
                 continue  # mid-prefill: nothing sampled
-            new_token_ids = []
-            for token_id in sampled:
-                request.append_output_token_id(token_id)
-                new_token_ids.append(token_id)
-                status = self._check_stop(request, token_id)
-                if status is not None:
-                    self.running.remove(request)
-                    self._finish(request, status)
-                    break
+            new_token_ids: list[int] = []
+            self._append_tokens(request, sampled, new_token_ids)
             num_sampled = len(new_token_ids)
             if request.structured_output_request is not None and new_token_ids:
                 self._advance_grammar(request, new_token_ids)
@@ -485,6 +472,20 @@ class Scheduler:
                     )
                 )
         return outputs
+
+    def _append_tokens(self, request: Request, token_ids: Iterable[int],
+                       appended: list[int]) -> bool:
+        """Append tokens to a running request (and to ``appended``) until one ends it;
+        then finish it and return True."""
+        for token_id in token_ids:
+            request.append_output_token_id(token_id)
+            appended.append(token_id)
+            status = self._check_stop(request, token_id)
+            if status is not None:
+                self.running.remove(request)
+                self._finish(request, status)
+                return True
+        return False
 
     def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:
         """The finished status the just-appended ``token_id`` puts the request in, if any.
