@@ -33,7 +33,7 @@ def main() -> None:
               device="cuda", dtype="bfloat16", num_blocks=n * per_seq + 64,
               max_num_seqs=max(n, 1), max_num_batched_tokens=8192)
     runner = llm.engine.engine_core.model_runner
-    graphs = runner.decode_graphs
+    graphs = runner.graphs
     size = next(s for s in graphs.sizes if s >= n)
     graphs.seq_lens[:n] = args.seq
     graphs.positions[:n] = args.seq - 1

@@ -43,7 +43,7 @@ def main() -> None:
     llm.generate(prompts, params, use_tqdm=False)  # warm-up
 
     runner = llm.engine.engine_core.model_runner
-    graphs = getattr(runner, "decode_graphs", None)
+    graphs = getattr(runner, "graphs", None)
     replay_ms = float("nan")
     if graphs is not None:
         size = next(s for s in graphs.sizes if s >= args.batch)

@@ -1,11 +1,17 @@
-"""CUDA graphs of the model's decode forward and its logits, for a fixed list of batch sizes sharing one
-memory pool.
+"""CUDA graphs of the model's forward, sharing one memory pool: decode graphs (the forward
+and its logits) for a list of batch sizes, and mixed graphs (the forward alone) for small
+steps that carry prefill tokens.
 
-A decode step (every request computes one token) replays the graph of the smallest
-captured size that holds it. The graph reads its inputs from static device buffers; rows
-past the real batch are padding: their KV slot is -1 (not stored), their sequence length
-0 and their query range empty, so attention skips them and their hidden states are
-discarded.
+A decode step (every request computes one token) replays the decode graph of the smallest
+captured size that holds it. A step of at most ``max_mixed_tokens`` tokens that is not a
+pure decode (a short prefill chunk, say the few new tokens after a cached prefix, with or
+without decodes beside it) replays the mixed graph of the smallest token count that holds
+it; its logits are computed after the replay, for the rows that sample. Longer steps run
+eagerly: their GPU time dwarfs the launch cost a graph saves.
+
+Every graph reads its inputs from static device buffers; rows past the real batch are
+padding: their KV slot is -1 (not stored), their sequence length 0 and their query range
+empty, so attention skips them and their hidden states are discarded.
 """
 
 from __future__ import annotations
@@ -14,6 +20,9 @@ import torch
 from torch import nn
 
 from vllmpy.attention.metadata import AttentionMetadata
+
+# Mixed graphs are captured for these step token counts (up to the step budget).
+MIXED_TOKEN_SIZES = (16, 32, 64, 128, 256, 512)
 
 
 def capture_sizes(max_num_seqs: int) -> list[int]:
@@ -25,30 +34,54 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
     return sorted(set(sizes))
 
 
-class DecodeGraphs:
+def mixed_capture_sizes(max_num_batched_tokens: int) -> list[int]:
+    """The mixed-graph token counts a step budget of ``max_num_batched_tokens`` can use."""
+    sizes = [s for s in MIXED_TOKEN_SIZES if s < max_num_batched_tokens]
+    if max_num_batched_tokens <= MIXED_TOKEN_SIZES[-1]:
+        sizes.append(max_num_batched_tokens)
+    return sizes
+
+
+class StepGraphs:
     def __init__(self, model: nn.Module, device: torch.device, max_num_seqs: int,
-                 max_model_len: int, block_size: int) -> None:
+                 max_model_len: int, block_size: int,
+                 max_num_batched_tokens: int | None = None) -> None:
         self.model = model
+        self.max_num_seqs = max_num_seqs
         self.sizes = capture_sizes(max_num_seqs)
+        self.mixed_sizes = (mixed_capture_sizes(max_num_batched_tokens)
+                            if max_num_batched_tokens else [])
         self.max_model_len = max_model_len
         self.block_size = block_size
-        n = self.sizes[-1]
+        tokens = max([self.sizes[-1], *self.mixed_sizes])
+        seqs = max_num_seqs
         width = -(-max_model_len // block_size)
-        self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
-        self.positions = torch.zeros(n, dtype=torch.int64, device=device)
-        self.slot_mapping = torch.full((n,), -1, dtype=torch.int64, device=device)
-        self.arange = torch.arange(n + 1, dtype=torch.int32, device=device)
+        self.input_ids = torch.zeros(tokens, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(tokens, dtype=torch.int64, device=device)
+        self.slot_mapping = torch.full((tokens,), -1, dtype=torch.int64, device=device)
+        self.arange = torch.arange(seqs + 1, dtype=torch.int32, device=device)
         self.query_start_loc = self.arange.clone()
-        self.seq_lens = torch.zeros(n, dtype=torch.int32, device=device)
-        self.block_tables = torch.zeros((n, width), dtype=torch.int32, device=device)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.seq_lens = torch.zeros(seqs, dtype=torch.int32, device=device)
+        self.block_tables = torch.zeros((seqs, width), dtype=torch.int32, device=device)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}  # decode graphs by batch size
         # size -> (hidden states [size, hidden], logits [size, vocab])
         self.outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.logits: torch.Tensor | None = None  # [max size, vocab], shared by every size
+        self.mixed_graphs: dict[int, torch.cuda.CUDAGraph] = {}  # by token count
+        self.mixed_outputs: dict[int, torch.Tensor] = {}  # token count -> hidden states
 
     @property
     def max_size(self) -> int:
         return self.sizes[-1]
+
+    @property
+    def max_mixed_tokens(self) -> int:
+        return self.mixed_sizes[-1] if self.mixed_sizes else 0
+
+    def _mixed_seqs(self, tokens: int) -> int:
+        """Request slots of the mixed graph for ``tokens``: no step has more requests
+        than tokens."""
+        return min(tokens, self.max_num_seqs)
 
     def _meta(self, size: int) -> AttentionMetadata:
         # max_seq_len = max_model_len fixes the kernels' split-KV choice for every replay
@@ -65,11 +98,42 @@ class DecodeGraphs:
             max_seq_len=self.max_model_len,
         )
 
+    def _mixed_meta(self, tokens: int) -> AttentionMetadata:
+        # max_query_len = tokens picks the prefill kernel variant, max_seq_len the split count
+        seqs = self._mixed_seqs(tokens)
+        return AttentionMetadata(
+            num_actual_tokens=tokens,
+            query_start_loc=self.query_start_loc[:seqs + 1],
+            query_start_loc_cpu=[0] * (seqs + 1),
+            seq_lens=self.seq_lens[:seqs],
+            seq_lens_cpu=[self.max_model_len] * seqs,
+            slot_mapping=self.slot_mapping[:tokens],
+            block_tables=self.block_tables[:seqs],
+            block_size=self.block_size,
+            max_query_len=tokens,
+            max_seq_len=self.max_model_len,
+        )
+
     @torch.inference_mode()
     def capture(self) -> None:
-        """Capture every size, largest first, into one pool. The static buffers hold only
+        """Capture every graph, largest first, into one pool. The static buffers hold only
         padding while capturing, so nothing is written to the KV cache."""
         pool = None
+        for tokens in reversed(self.mixed_sizes):
+            seqs = self._mixed_seqs(tokens)
+            self.query_start_loc[:seqs + 1].zero_()  # every request slot empty
+            meta = self._mixed_meta(tokens)
+            ids, pos = self.input_ids[:tokens], self.positions[:tokens]
+            self.model(ids, pos, meta)  # warm-up: compiles kernels
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                hidden = self.model(ids, pos, meta)
+            if pool is None:
+                pool = graph.pool()
+            self.mixed_graphs[tokens] = graph
+            self.mixed_outputs[tokens] = hidden
+        self.query_start_loc.copy_(self.arange)
         for size in reversed(self.sizes):
             meta = self._meta(size)
             ids, pos = self.input_ids[:size], self.positions[:size]
@@ -100,14 +164,9 @@ class DecodeGraphs:
         ``fill`` = (rows, ids) overwrites input ids the host does not know yet; ``copied``
         is recorded once the inputs are copied, before the replay."""
         size = next(s for s in self.sizes if s >= n)
-        self.input_ids[:n].copy_(input_ids, non_blocking=True)
-        if fill is not None:  # (rows, ids): tokens that only the device holds yet
-            self.input_ids.index_copy_(0, fill[0], fill[1])
-        self.positions[:n].copy_(positions, non_blocking=True)
-        self.slot_mapping[:n].copy_(slot_mapping, non_blocking=True)
+        self._copy_tokens(n, size, input_ids, positions, slot_mapping, fill)
         self.seq_lens[:n].copy_(seq_lens, non_blocking=True)
         if size > n:
-            self.slot_mapping[n:size].fill_(-1)
             self.seq_lens[n:size].zero_()
             self.query_start_loc[n + 1:size + 1].fill_(n)
         self.query_start_loc[:n + 1].copy_(self.arange[:n + 1])
@@ -118,3 +177,40 @@ class DecodeGraphs:
         self.graphs[size].replay()
         hidden, logits = self.outputs[size]
         return hidden[:n], logits[:n]
+
+    def run_mixed(self, num_tokens: int, input_ids: torch.Tensor, positions: torch.Tensor,
+                  slot_mapping: torch.Tensor, query_start_loc: torch.Tensor,
+                  seq_lens: torch.Tensor, block_tables: torch.Tensor,
+                  fill: tuple[torch.Tensor, torch.Tensor] | None = None,
+                  copied: torch.cuda.Event | None = None) -> torch.Tensor:
+        """Replay for a step of ``num_tokens`` tokens (at most ``max_mixed_tokens``) over
+        ``len(seq_lens)`` requests; returns the hidden states [num_tokens, hidden], a view
+        that the next replay overwrites. Arguments as for ``run``, plus the step's
+        ``query_start_loc`` [num_requests + 1]."""
+        size = next(s for s in self.mixed_sizes if s >= num_tokens)
+        n, seqs = seq_lens.shape[0], self._mixed_seqs(size)
+        self._copy_tokens(num_tokens, size, input_ids, positions, slot_mapping, fill)
+        self.query_start_loc[:n + 1].copy_(query_start_loc, non_blocking=True)
+        self.seq_lens[:n].copy_(seq_lens, non_blocking=True)
+        if seqs > n:  # empty request slots, all starting at the step's end
+            self.query_start_loc[n + 1:seqs + 1].fill_(num_tokens)
+            self.seq_lens[n:seqs].zero_()
+        width = block_tables.shape[1]
+        self.block_tables[:n, :width].copy_(block_tables, non_blocking=True)
+        if copied is not None:
+            copied.record()
+        self.mixed_graphs[size].replay()
+        return self.mixed_outputs[size][:num_tokens]
+
+    def _copy_tokens(self, n: int, size: int, input_ids: torch.Tensor, positions: torch.Tensor,
+                     slot_mapping: torch.Tensor,
+                     fill: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+        """The step's ``n`` token rows into the static buffers; rows ``n:size`` become
+        padding (their keys and values are not stored)."""
+        self.input_ids[:n].copy_(input_ids, non_blocking=True)
+        if fill is not None:  # (rows, ids): tokens that only the device holds yet
+            self.input_ids.index_copy_(0, fill[0], fill[1])
+        self.positions[:n].copy_(positions, non_blocking=True)
+        self.slot_mapping[:n].copy_(slot_mapping, non_blocking=True)
+        if size > n:
+            self.slot_mapping[n:size].fill_(-1)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import gc
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -33,10 +32,8 @@ from vllmpy.sample.metadata import SamplingMetadata
 from vllmpy.sample.sampler import Sampler
 from vllmpy.sampling_params import SamplingParams
 from vllmpy.structured_output.bitmask import apply_step_grammar_bitmask
+from vllmpy.worker.cuda_graphs import StepGraphs, mixed_capture_sizes
 from vllmpy.worker.input_batch import InputBatch, StepInputs
-
-if TYPE_CHECKING:
-    from vllmpy.worker.cuda_graphs import DecodeGraphs
 
 
 @dataclass
@@ -74,8 +71,9 @@ class ModelRunner:
         self.model: CausalLM | None = None
         self.kv_caches: list[torch.Tensor] = []
         self._load_stats = LoadStats()
-        # CUDA graphs of the decode forward, once captured (CUDA without enforce_eager)
-        self.decode_graphs: DecodeGraphs | None = None
+        # CUDA graphs of decode steps and of small mixed steps, once captured (CUDA
+        # without enforce_eager)
+        self.graphs: StepGraphs | None = None
         self.input_batch = InputBatch(config.scheduler.max_num_seqs,
                                       config.model.max_model_len, self.block_size)
         self._pinned: dict[str, torch.Tensor] = {}  # staging buffers for host -> device
@@ -143,14 +141,15 @@ class ModelRunner:
                 layer.backend = TritonAttentionBackend(
                     layer.num_heads, layer.num_kv_heads, layer.head_dim, layer.scale)
             if not self.config.enforce_eager:
-                self._capture_decode_graphs()
+                self._capture_graphs()
 
     @torch.inference_mode()
     def profile_kv_budget(self) -> tuple[int, str]:
         """CUDA: the bytes the KV pool may take under --gpu-memory-utilization, and how
         they were found. Runs the largest prefill step the scheduler can send (with the
         sampler on max_num_seqs random rows) and the largest decode step (what the CUDA
-        graphs hold) against a small scratch cache, and measures their peaks."""
+        graphs hold, and the largest mixed step they hold) against a small scratch cache,
+        and measures their peaks."""
         assert self.model is not None and self.device.type == "cuda"
         sched, cache = self.config.scheduler, self.config.cache
         text = self.config.model.text_config
@@ -172,6 +171,11 @@ class ModelRunner:
         if not self.config.enforce_eager:
             self._profile_step([1] * sched.max_num_seqs, sample=sched.max_num_seqs)
             graphs = torch.cuda.max_memory_allocated(self.device) - base
+            mixed = mixed_capture_sizes(sched.max_num_batched_tokens)
+            if mixed:  # the largest mixed graph, one request (its logits run outside)
+                torch.cuda.reset_peak_memory_stats(self.device)
+                self._profile_step([mixed[-1]], sample=1)
+                graphs = max(graphs, torch.cuda.max_memory_allocated(self.device) - base)
         for layer in self._attention_layers():
             layer.kv_cache = None
         del scratch
@@ -236,20 +240,22 @@ class ModelRunner:
                 layer.backend = TritonAttentionBackend(
                     layer.num_heads, layer.num_kv_heads, layer.head_dim, layer.scale)
 
-    def _capture_decode_graphs(self) -> None:
-        from vllmpy.worker.cuda_graphs import DecodeGraphs
-
+    def _capture_graphs(self) -> None:
         torch.cuda.empty_cache()  # as capture does: what grows after this is the graphs'
         before = torch.cuda.memory_reserved(self.device)
+        sched = self.config.scheduler
         with self._load_stats.phase("cuda_graphs"):
-            graphs = DecodeGraphs(self.model, self.device,  # type: ignore[arg-type]
-                                  self.config.scheduler.max_num_seqs,
-                                  self.config.model.max_model_len, self.block_size)
+            graphs = StepGraphs(self.model, self.device,  # type: ignore[arg-type]
+                                sched.max_num_seqs, self.config.model.max_model_len,
+                                self.block_size, sched.max_num_batched_tokens)
             graphs.capture()
-        self.decode_graphs = graphs
+        self.graphs = graphs
         grown = torch.cuda.memory_reserved(self.device) - before
+        mixed = (f", {len(graphs.mixed_sizes)} mixed step sizes ({graphs.mixed_sizes[0]}.."
+                 f"{graphs.mixed_sizes[-1]} tokens)" if graphs.mixed_sizes else "")
         log(f"CUDA graphs: {len(graphs.sizes)} decode batch sizes "
-            f"({graphs.sizes[0]}..{graphs.sizes[-1]}) captured, {grown / 2**30:.2f} GiB")
+            f"({graphs.sizes[0]}..{graphs.sizes[-1]}){mixed} captured, "
+            f"{grown / 2**30:.2f} GiB")
 
     # ---- one step -------------------------------------------------------------------
 
@@ -401,22 +407,29 @@ class ModelRunner:
             return StepHandle(self, [], [], [], None, None, {}, None)
         step, host = self._prepare_inputs(req_ids, out)
         fill = self._device_tokens(req_ids, step)
-        graphs = self.decode_graphs
+        graphs = self.graphs
         n = len(req_ids)
         # Recorded once this step's copies out of the pinned buffers are queued: the next
         # step waits on it (not on this step's forward) before rewriting them.
         copied = torch.cuda.Event() if self.device.type == "cuda" else None
+        graph_logits = None
+        logits_idx: torch.Tensor | None = None
         if graphs is not None and step.max_query_len == 1 and n <= graphs.max_size:
             # A pure decode step: the graph reads its inputs straight from the host.
             hidden, graph_logits = graphs.run(
                 n, host["input_ids"], host["positions"], host["slot_mapping"],
                 host["seq_lens"], host["block_tables"], fill, copied)
-            logits_idx = None
             if len(step.sample_rows) < n:  # a one-token prefill chunk samples nothing
                 logits_idx = torch.as_tensor(step.sample_rows, device=self.device)
                 graph_logits = graph_logits[logits_idx]
+        elif graphs is not None and step.num_tokens <= graphs.max_mixed_tokens:
+            # A small step with prefill tokens: the forward replays a mixed graph.
+            if len(step.sample_rows) < step.num_tokens:
+                logits_idx = host["logits_indices"].to(self.device, non_blocking=True)
+            hidden = graphs.run_mixed(
+                step.num_tokens, host["input_ids"], host["positions"], host["slot_mapping"],
+                host["query_start_loc"], host["seq_lens"], host["block_tables"], fill, copied)
         else:
-            graph_logits = None
             ids, pos, meta, logits_idx = self._device_inputs(step, host)
             if fill is not None:
                 ids.index_copy_(0, fill[0], fill[1])

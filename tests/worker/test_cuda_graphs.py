@@ -1,0 +1,91 @@
+"""CUDA graphs for decode steps and small mixed steps: which sizes are captured, and on a
+GPU the same tokens and logprobs as the eager forward, for every kind of step."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from models.test_tiny_models import COMMON, _make, _prompts
+
+from vllmpy import LLM, SamplingParams
+from vllmpy.worker.cuda_graphs import MIXED_TOKEN_SIZES, capture_sizes, mixed_capture_sizes
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def test_decode_sizes_cover_every_batch_up_to_max_num_seqs():
+    for max_num_seqs in (1, 3, 8, 20, 256):
+        sizes = capture_sizes(max_num_seqs)
+        assert sizes == sorted(set(sizes)) and sizes[-1] == max_num_seqs
+        for n in range(1, max_num_seqs + 1):  # some size holds every batch
+            assert any(s >= n for s in sizes)
+
+
+def test_mixed_sizes_stop_at_the_step_budget():
+    assert mixed_capture_sizes(8192) == list(MIXED_TOKEN_SIZES)
+    assert mixed_capture_sizes(512) == list(MIXED_TOKEN_SIZES)
+    assert mixed_capture_sizes(100) == [16, 32, 64, 100]
+    assert mixed_capture_sizes(16) == [16]
+    assert mixed_capture_sizes(7) == [7]
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3"])
+def tiny(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp(request.param)
+    _make(request.param, path)
+    return str(path)
+
+
+def _run(path: str, eager: bool, prompts, params, **kw):
+    llm = LLM(path, skip_tokenizer_init=True, device="cuda", dtype="float32", block_size=16,
+              num_blocks=256, enforce_eager=eager, **kw)
+    graphs = llm.engine.engine_core.model_runner.graphs
+    assert (graphs is None) == eager
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    return [o.outputs[0] for o in outs], llm
+
+
+@cuda
+@pytest.mark.parametrize("budget", [8192, 24, 7])
+def test_graph_steps_match_eager_steps(tiny, budget):
+    """Prompts sharing a cached prefix (chunks that attend to cached keys), decodes beside
+    prefill chunks, chunking at small step budgets: every step kind through the graphs
+    gives the eager forward's greedy tokens and logprobs."""
+    base = _prompts(12, COMMON["vocab_size"], seed=7)
+    shared = base[0] * 3  # a long common prefix, so later prompts hit the prefix cache
+    prompts = [shared + p for p in base[:6]] + base[6:]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=3)
+    eager, _ = _run(tiny, True, prompts, params, max_num_batched_tokens=budget)
+    graph, llm = _run(tiny, False, prompts, params, max_num_batched_tokens=budget)
+    assert [o.token_ids for o in graph] == [o.token_ids for o in eager]
+    for g, e in zip(graph, eager):
+        for g_step, e_step in zip(g.logprobs, e.logprobs):
+            assert g_step.keys() == e_step.keys()
+            for tok in g_step:
+                assert g_step[tok].logprob == pytest.approx(e_step[tok].logprob, abs=1e-4)
+    graphs = llm.engine.engine_core.model_runner.graphs
+    assert graphs.mixed_sizes == mixed_capture_sizes(budget)
+
+
+@cuda
+def test_a_cached_prefix_hit_replays_a_mixed_graph(tiny):
+    """The second request reuses the first one's blocks: only its new tokens are computed,
+    in one mixed-graph step, and its tokens equal the cold run's."""
+    prompt = _prompts(1, COMMON["vocab_size"], seed=9)[0] * 4
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    llm = LLM(tiny, skip_tokenizer_init=True, device="cuda", dtype="float32", block_size=16,
+              num_blocks=256)
+    cold = llm.generate([prompt], params, use_tqdm=False)[0]
+    runner = llm.engine.engine_core.model_runner
+    replays = []
+    original = runner.graphs.run_mixed
+
+    def spy(num_tokens, *args, **kw):
+        replays.append(num_tokens)
+        return original(num_tokens, *args, **kw)
+
+    runner.graphs.run_mixed = spy
+    warm = llm.generate([prompt], params, use_tqdm=False)[0]
+    assert warm.num_cached_tokens > 0
+    assert replays == [len(prompt) - warm.num_cached_tokens]
+    assert warm.outputs[0].token_ids == cold.outputs[0].token_ids
