@@ -433,8 +433,8 @@ async def _serve_all(args: argparse.Namespace, base: str, config: dict[str, Any]
             async with limit:
                 return await stream_completion(client, url, model, req, args.ignore_eos)
 
-        for req in warm:
-            await one(req)
+        # warm-up at the timed concurrency, so its batches (and kernels) look alike
+        await asyncio.gather(*(one(req) for req in warm))
         print(f"{PROG}: sending {len(requests)} requests (concurrency "
               f"{args.concurrency or 'all'}, rate {args.request_rate}/s)", file=sys.stderr)
         start = time.perf_counter()
