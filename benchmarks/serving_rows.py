@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import socket
 import subprocess
 import sys
@@ -93,8 +94,19 @@ def main() -> int:
                    "--model", QWEN3_8B, "--num-prompts", str(args.num_prompts),
                    "--input-len", "512", "--output-len", "256", "--concurrency", "64",
                    "--warmup", str(args.warmup), "--output-json", json_path]
+            server_cpu = tree_cpu_seconds(proc.pid)
+            client_cpu = _children_cpu()
+            t0 = time.perf_counter()
             with open(os.path.join(args.out, "P5.log"), "w") as log:
                 rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT).returncode
+            wall = time.perf_counter() - t0
+            # CPU seconds per wall second: near 1.0 means that process is saturated
+            table.append(("P5", "bench client CPU s / wall s",
+                          f"{(_children_cpu() - client_cpu) / wall:.2f}"))
+            for pid, cpu in tree_cpu_seconds(proc.pid).items():
+                table.append(("P5", f"server process {pid} CPU s / wall s",
+                              f"{(cpu - server_cpu.get(pid, 0.0)) / wall:.2f}"))
+            table += server_side_latency(url)
             if rc == 0:
                 with open(json_path) as f:
                     res = json.load(f)
@@ -121,6 +133,54 @@ def main() -> int:
     for row in table:
         print(f"{row[0]:<4} {row[1]:<40} {row[2]}")
     return 0
+
+
+def _children_cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def tree_cpu_seconds(root: int) -> dict[int, float]:
+    """User + system CPU seconds of ``root`` and its descendants, by pid (Linux /proc)."""
+    parent, cpu = {}, {}
+    tick = os.sysconf("SC_CLK_TCK")
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        parent[int(entry)] = int(fields[1])
+        cpu[int(entry)] = (int(fields[11]) + int(fields[12])) / tick
+    out = {}
+    for pid in cpu:
+        p = pid
+        while p > 1 and p != root:
+            p = parent.get(p, 0)
+        if p == root:
+            out[pid] = cpu[pid]
+    return out
+
+
+def server_side_latency(url: str) -> list[tuple[str, str, str]]:
+    """The server's own mean TTFT and queue time, from its Prometheus histograms."""
+    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    sums: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("vllm:") and ("_sum" in line or "_count" in line):
+            name, value = line.split("{")[0], float(line.rsplit(" ", 1)[1])
+            sums[name] = sums.get(name, 0.0) + value
+    rows = []
+    for metric in ("time_to_first_token_seconds", "request_queue_time_seconds",
+                   "request_prefill_time_seconds"):
+        total = sums.get(f"vllm:{metric}_sum")
+        count = sums.get(f"vllm:{metric}_count")
+        if total is not None and count:
+            rows.append(("P5", f"server mean {metric} (ms)", f"{total / count * 1e3:.1f}"))
+    return rows
 
 
 def _find(obj: object, key: str) -> object:

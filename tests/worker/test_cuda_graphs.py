@@ -23,7 +23,7 @@ def test_decode_sizes_cover_every_batch_up_to_max_num_seqs():
 
 def test_mixed_sizes_stop_at_the_step_budget():
     assert mixed_capture_sizes(8192) == list(MIXED_TOKEN_SIZES)
-    assert mixed_capture_sizes(512) == list(MIXED_TOKEN_SIZES)
+    assert mixed_capture_sizes(512) == [16, 32, 64, 128, 256, 512]
     assert mixed_capture_sizes(100) == [16, 32, 64, 100]
     assert mixed_capture_sizes(16) == [16]
     assert mixed_capture_sizes(7) == [7]

@@ -210,6 +210,8 @@ class EngineCore:
                 self._first_scheduled[new.req_id] = now
 
     def _log_step(self, scheduler_output: SchedulerOutput) -> None:
-        print(f"vllmpy step: tokens={scheduler_output.total_num_scheduled_tokens} "
+        print(f"vllmpy step: t={time.monotonic():.4f} "
+              f"tokens={scheduler_output.total_num_scheduled_tokens} "
+              f"new={len(scheduler_output.scheduled_new_reqs)} "
               f"running={self.scheduler.num_running} waiting={self.scheduler.num_waiting} "
               f"free_blocks={self.kv_cache_manager.num_free_blocks}", file=sys.stderr)

@@ -421,35 +421,34 @@ async def _serve_all(args: argparse.Namespace, base: str, config: dict[str, Any]
                      ) -> tuple[list[RequestResult], float]:
     import asyncio
 
-    import httpx
-
     url = f"{base}{args.endpoint}"
     model = str(config.get("served_model_name") or config.get("model"))
     limit = asyncio.Semaphore(args.concurrency or len(requests))
     rng = np.random.default_rng(args.seed)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(None),
-                                 limits=httpx.Limits(max_connections=None)) as client:
-        async def one(req: BenchRequest) -> RequestResult:
-            async with limit:
-                return await stream_completion(client, url, model, req, args.ignore_eos)
 
-        # warm-up at the timed concurrency, so its batches (and kernels) look alike
-        await asyncio.gather(*(one(req) for req in warm))
-        print(f"{PROG}: sending {len(requests)} requests (concurrency "
-              f"{args.concurrency or 'all'}, rate {args.request_rate}/s)", file=sys.stderr)
-        start = time.perf_counter()
-        tasks = []
-        for req in requests:
-            tasks.append(asyncio.create_task(one(req)))
-            if args.request_rate != math.inf:
-                await asyncio.sleep(rng.exponential(1.0 / args.request_rate))
-        results = await asyncio.gather(*tasks)
-        return list(results), time.perf_counter() - start
+    async def one(req: BenchRequest) -> RequestResult:
+        async with limit:
+            return await stream_completion(url, model, req, args.ignore_eos)
+
+    # warm-up at the timed concurrency, so its batches (and kernels) look alike
+    await asyncio.gather(*(one(req) for req in warm))
+    print(f"{PROG}: sending {len(requests)} requests (concurrency "
+          f"{args.concurrency or 'all'}, rate {args.request_rate}/s)", file=sys.stderr)
+    start = time.perf_counter()
+    tasks = []
+    for req in requests:
+        tasks.append(asyncio.create_task(one(req)))
+        if args.request_rate != math.inf:
+            await asyncio.sleep(rng.exponential(1.0 / args.request_rate))
+    results = await asyncio.gather(*tasks)
+    return list(results), time.perf_counter() - start
 
 
-async def stream_completion(client: Any, url: str, model: str, req: BenchRequest,
+async def stream_completion(url: str, model: str, req: BenchRequest,
                             ignore_eos: bool) -> RequestResult:
     """One streaming completion; a failure is returned as a failed result, never raised."""
+    from vllmpy.entrypoints.sse_client import HTTPStatusError, stream_events
+
     body = {"model": model, "prompt": req.prompt, "max_tokens": req.output_len,
             "temperature": 0.0, "ignore_eos": ignore_eos, "stream": True,
             "stream_options": {"include_usage": True}}
@@ -457,30 +456,27 @@ async def stream_completion(client: Any, url: str, model: str, req: BenchRequest
     chunks = 0
     sent = last = time.perf_counter()
     try:
-        async with client.stream("POST", url, json=body) as resp:
-            if resp.status_code != 200:
-                text = (await resp.aread()).decode("utf-8", "replace")
-                result.error = f"HTTP {resp.status_code}: {text[:200]}"
+        async for data in stream_events(url, json.dumps(body).encode()):
+            if data == b"[DONE]":
+                continue
+            now = time.perf_counter()
+            chunk = json.loads(data)
+            if "error" in chunk:
+                result.error = str(chunk["error"].get("message", chunk["error"]))
                 return result
-            async for line in resp.aiter_lines():
-                data = line.removeprefix("data:").strip()
-                if not line.startswith("data:") or data == "[DONE]":
-                    continue
-                chunk = json.loads(data)
-                if "error" in chunk:
-                    result.error = str(chunk["error"].get("message", chunk["error"]))
-                    return result
-                now = time.perf_counter()
-                if chunk.get("choices"):
-                    chunks += 1
-                    if chunks == 1:
-                        result.ttft = now - sent
-                    else:
-                        result.itl.append(now - last)
-                    last = now
-                elif chunk.get("usage"):
-                    result.output_tokens = int(chunk["usage"]["completion_tokens"])
-                    result.prompt_len = int(chunk["usage"]["prompt_tokens"])
+            if chunk.get("choices"):
+                chunks += 1
+                if chunks == 1:
+                    result.ttft = now - sent
+                else:
+                    result.itl.append(now - last)
+                last = now
+            elif chunk.get("usage"):
+                result.output_tokens = int(chunk["usage"]["completion_tokens"])
+                result.prompt_len = int(chunk["usage"]["prompt_tokens"])
+    except HTTPStatusError as e:
+        result.error = str(e)
+        return result
     except Exception as e:  # noqa: BLE001 - a failed request is reported, not raised
         result.error = f"{type(e).__name__}: {e}"
         return result

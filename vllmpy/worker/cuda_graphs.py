@@ -21,8 +21,10 @@ from torch import nn
 
 from vllmpy.attention.metadata import AttentionMetadata
 
-# Mixed graphs are captured for these step token counts (up to the step budget).
-MIXED_TOKEN_SIZES = (16, 32, 64, 128, 256, 512)
+# Mixed graphs are captured for these step token counts (up to the step budget). Up to
+# 2,048 tokens an eager forward's host time (launching every kernel of every layer) is
+# comparable to its GPU time; past it the GPU time dominates.
+MIXED_TOKEN_SIZES = (16, 32, 64, 128, 256, 512, 768, 1024, 1536, 2048)
 
 
 def capture_sizes(max_num_seqs: int) -> list[int]:

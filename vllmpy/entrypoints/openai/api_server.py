@@ -15,8 +15,10 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 import vllmpy
 from vllmpy.config import EngineArgs
@@ -46,6 +48,36 @@ from vllmpy.entrypoints.openai.serving_completion import CompletionHandler
 from vllmpy.entrypoints.openai.serving_tokenization import TokenizationHandler
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+class RequestGuard:
+    """Refuses a body over the size limit (413), then a /v1 request without the API key
+    (401). A plain ASGI middleware: Starlette's ``@app.middleware("http")`` would pass
+    every streamed chunk through an extra memory stream, which costs more than the rest
+    of a token's trip through the server."""
+
+    def __init__(self, app: ASGIApp, max_body_bytes: int, api_key: str | None) -> None:
+        self.app = app
+        self.max_body_bytes = max_body_bytes
+        self.api_key = api_key
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = Headers(scope=scope)
+        length = headers.get("content-length")
+        refusal = None
+        if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
+            refusal = _error(413, f"request body of {length} bytes exceeds the limit of "
+                                  f"{self.max_body_bytes} bytes")
+        elif (self.api_key and scope["path"].startswith("/v1") and scope["method"] != "OPTIONS"
+              and headers.get("authorization") != f"Bearer {self.api_key}"):
+            refusal = _error(401, "missing or wrong API key: send 'Authorization: Bearer <key>'")
+        if refusal is not None:
+            await refusal(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
 
 
 def _error(status: int, message: str, param: str | None = None) -> JSONResponse:
@@ -83,18 +115,8 @@ def build_app(engine: AsyncLLM, args: argparse.Namespace, served_model_name: str
         app.add_middleware(CORSMiddleware, allow_origins=origins, allow_methods=["*"],
                            allow_headers=["*"], allow_credentials=True)
 
-    @app.middleware("http")
-    async def guard(request: Request, call_next):
-        # body size first (413), then the API key for /v1 routes (401)
-        length = request.headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > args.max_request_body_bytes:
-            return _error(413, f"request body of {length} bytes exceeds the limit of "
-                               f"{args.max_request_body_bytes} bytes")
-        needs_key = (args.api_key and request.url.path.startswith("/v1")
-                     and request.method != "OPTIONS")
-        if needs_key and request.headers.get("authorization") != f"Bearer {args.api_key}":
-            return _error(401, "missing or wrong API key: send 'Authorization: Bearer <key>'")
-        return await call_next(request)
+    app.add_middleware(RequestGuard, max_body_bytes=args.max_request_body_bytes,
+                       api_key=args.api_key)
 
     @app.exception_handler(OpenAIError)
     async def openai_error(_: Request, e: OpenAIError) -> JSONResponse:
