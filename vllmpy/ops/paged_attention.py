@@ -152,7 +152,10 @@ def reshape_and_cache_ref(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tens
 
 # ---- paged_attention -------------------------------------------------------------------
 
-@triton.jit
+# Batch-shaped integers (request count, split count, block-table width) change from step
+# to step; specializing on them (Triton does for the values 1 and multiples of 16) would
+# compile new variants in the middle of serving.
+@triton.jit(do_not_specialize=["num_seqs", "num_splits", "stride_bt"])
 def _paged_attention_kernel(
     q_ptr, cache_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
     query_start_ptr, seq_lens_ptr, block_table_ptr,
@@ -258,7 +261,7 @@ def _paged_attention_kernel(
                  mask=row_ok[:, None] & dim_ok[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_seqs", "num_splits"])
 def _merge_splits_kernel(
     part_acc_ptr, part_ml_ptr, out_ptr, query_start_ptr,
     num_seqs, num_splits, num_heads, head_dim, stride_o_tok, stride_o_head,
