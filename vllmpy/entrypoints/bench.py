@@ -110,7 +110,8 @@ def make_parser() -> OneLineArgumentParser:
     p.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
                    help="generate exactly the output length (default on)")
     p.add_argument("--warmup", type=_non_negative_int, default=None,
-                   help="requests run before timing (default 1 offline, 0 serving)")
+                   help="requests run before timing (default 1 offline, 0 serving; serving "
+                        "mode runs them at --concurrency)")
     p.add_argument("--output-json", default=None, help="write the full results here")
     p.add_argument("--base-url", default=None,
                    help="serving mode against this server, e.g. http://127.0.0.1:8000")
