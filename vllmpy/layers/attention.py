@@ -9,14 +9,15 @@ from collections.abc import Iterable, Iterator
 import torch
 from torch import nn
 
-from vllmpy.attention.backend import FP8_KV_DTYPE, AttentionBackend, TorchReferenceBackend
+from vllmpy.attention.backend import FP8_KV_DTYPE, AttentionBackend
+from vllmpy.attention.cpu_backend import CpuAttentionBackend
 from vllmpy.attention.metadata import AttentionMetadata
 from vllmpy.config import log
 
 
 class Attention(nn.Module):
     """Paged attention for one layer. ``kv_cache`` is bound by the model runner after the
-    pool is allocated; ``backend`` may be swapped for a device-specific one.
+    pool is allocated; ``backend`` is the CPU one until the runner swaps in a device's own.
 
     ``k_scale`` and ``v_scale`` are the per-layer scales of an fp8 cache (stored = value /
     scale); they come from the checkpoint (see ``KVScaleLoader``) and are 1.0 otherwise.
@@ -32,7 +33,7 @@ class Attention(nn.Module):
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = scale
-        self.backend: AttentionBackend = TorchReferenceBackend(
+        self.backend: AttentionBackend = CpuAttentionBackend(
             num_heads, num_kv_heads, head_dim, scale)
         self.kv_cache: torch.Tensor | None = None
         self.k_scale = 1.0

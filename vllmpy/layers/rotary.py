@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -44,13 +44,40 @@ def rotary_torch(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
     return q_out.view(q.shape), k_out.view(k.shape)
 
 
+def rotary_cpu_table(cos_sin_cache: torch.Tensor) -> torch.Tensor:
+    """[max_position, 2, 1, head_dim]: [cos, cos] and [-sin, sin] of every position, from
+    ``cos_sin_cache`` [max_position, head_dim] (cos first half, sin second)."""
+    cos, sin = cos_sin_cache.chunk(2, dim=-1)
+    table = torch.stack([torch.cat([cos, cos], dim=-1), torch.cat([-sin, sin], dim=-1)], dim=1)
+    return table.unsqueeze(2)
+
+
+def rotary_cpu(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+               table: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``rotary_torch``'s numbers in fewer calls, for the CPU: with ``table`` from
+    ``rotary_cpu_table``, both halves rotate at once as
+    x * [cos, cos] + roll(x, head_dim / 2) * [-sin, sin], in fp32."""
+    cos, sin = table.index_select(0, positions).unbind(1)  # [num_tokens, 1, head_dim] each
+    n, flat = q.shape[0], q.dim() == 2 and k.dim() == 2
+    q2, k2 = (q, k) if flat else (q.reshape(n, -1), k.reshape(n, -1))
+    # q and k in one pass: [num_tokens, num_heads + num_kv_heads, head_dim], fp32 and fresh
+    qk = torch.cat([q2, k2], dim=-1)
+    x = qk.view(n, -1, head_dim).float()  # cat's own output when q is fp32 already
+    rotated = x.roll(head_dim // 2, dims=-1).mul_(sin)  # [-x2 * sin, x1 * sin]
+    out = torch.add(x.mul_(cos), rotated).to(q.dtype)
+    q_out, k_out = out.view(n, -1).split([q2.shape[1], k2.shape[1]], dim=-1)
+    return (q_out, k_out) if flat else (q_out.view(q.shape), k_out.view(k.shape))
+
+
 class RotaryEmbedding(nn.Module):
     """Applies rotary embeddings to q and k, flattened as [num_tokens, num_heads * head_dim].
 
-    The cos/sin table is built on first use on the device of the inputs, in float32.
+    The cos/sin table is built on first use on the device of the inputs, in float32. The
+    CPU's own table (``rotary_cpu_table``) is shared by every layer with the same settings.
     """
 
     SUPPORTED_SCALING = ("default", "llama3", "linear")
+    _cpu_tables: ClassVar[dict[tuple[Any, ...], torch.Tensor]] = {}
 
     def __init__(self, head_dim: int, max_position: int, base: float,
                  rope_scaling: dict[str, Any] | None = None) -> None:
@@ -81,20 +108,30 @@ class RotaryEmbedding(nn.Module):
         """[max_position, head_dim]: cos in the first half, sin in the second."""
         cache = self._cache.get(device)
         if cache is None:
-            t = torch.arange(self.max_position, dtype=torch.float32)
-            freqs = torch.outer(t, self._inv_freq())  # [max_position, head_dim / 2]
-            cache = torch.cat([freqs.cos(), freqs.sin()], dim=-1).to(device)
-            self._cache[device] = cache
+            cache = self._cache[device] = self._cos_sin().to(device)
         return cache
+
+    def _cos_sin(self) -> torch.Tensor:
+        t = torch.arange(self.max_position, dtype=torch.float32)
+        freqs = torch.outer(t, self._inv_freq())  # [max_position, head_dim / 2]
+        return torch.cat([freqs.cos(), freqs.sin()], dim=-1)
+
+    def cpu_table(self, device: torch.device) -> torch.Tensor:
+        """``rotary_cpu_table`` of this layer's cos/sin, built once per settings and device."""
+        key = (self.head_dim, self.max_position, self.base, repr(self.rope_scaling), device)
+        table = self._cpu_tables.get(key)
+        if table is None:
+            table = self._cpu_tables[key] = rotary_cpu_table(self._cos_sin()).to(device)
+        return table
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor,
                 k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        cache = self.cos_sin_cache(q.device)
         if q.is_cuda:
             from vllmpy.ops.fused import rotary_embedding  # one fused kernel instead of ~10
 
+            cache = self.cos_sin_cache(q.device)
             # [num_tokens, num_heads * head_dim] (a view when q, k already are)
             q2, k2 = q.reshape(q.shape[0], -1), k.reshape(k.shape[0], -1)
             q2, k2 = rotary_embedding(positions, q2, k2, cache, self.head_dim)
             return q2.view(q.shape), k2.view(k.shape)
-        return rotary_torch(positions, q, k, cache, self.head_dim)
+        return rotary_cpu(positions, q, k, self.cpu_table(q.device), self.head_dim)
