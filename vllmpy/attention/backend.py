@@ -36,7 +36,7 @@ class AttentionBackend:
 def quantize_kv(x: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:
     """x in the cache's storage dtype: fp8 holds clamp(x / scale, +-448), others hold x."""
     if dtype != FP8_KV_DTYPE:
-        return x.to(dtype)
+        return x if x.dtype == dtype else x.to(dtype)
     return (x.float() / scale).clamp_(-FP8_MAX, FP8_MAX).to(dtype)
 
 
@@ -65,8 +65,7 @@ def write_kv_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
         # index_copy_ has no fp8 kernel on the CPU: copy the bytes
         kv_cache, k, v = kv_cache.view(torch.uint8), k.view(torch.uint8), v.view(torch.uint8)
     flat = kv_cache.view(2, -1, num_kv_heads, head_dim)  # [2, num_slots, kv_heads, head_dim]
-    flat[0].index_copy_(0, slot_mapping, k)
-    flat[1].index_copy_(0, slot_mapping, v)
+    flat.index_copy_(1, slot_mapping, torch.stack((k, v)))  # one copy for both
 
 
 class TorchReferenceBackend(AttentionBackend):

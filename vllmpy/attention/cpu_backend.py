@@ -67,12 +67,12 @@ class CpuAttentionBackend(AttentionBackend):
             if serial:
                 torch.set_num_threads(1)
             try:
-                _write(k, v, kv_cache, slots, scales)
+                write_kv_cache(k, v, kv_cache, slots, *scales)
                 return self._decode(q, kv_cache, meta, decodes, scales).to(q.dtype)
             finally:
                 if serial:
                     torch.set_num_threads(threads)
-        _write(k, v, kv_cache, slots, scales)
+        write_kv_cache(k, v, kv_cache, slots, *scales)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if decodes:
             tokens = [starts[i] for i in decodes]
@@ -152,17 +152,6 @@ class CpuAttentionBackend(AttentionBackend):
             attn = torch.bmm(torch.softmax(scores, dim=-1), values[:, :visible])
             attn = attn.view(kvh, n, group, dim).transpose(0, 1)  # [n, kv_heads, group, dim]
             out[lo:hi].view(n, kvh, group, dim).copy_(attn)
-
-
-def _write(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor,
-           scales: tuple[float, float]) -> None:
-    """``write_kv_cache``; keys and values already in the cache's dtype go in one copy."""
-    if not (k.dtype == v.dtype == kv_cache.dtype) or kv_cache.dtype == FP8_KV_DTYPE:
-        write_kv_cache(k, v, kv_cache, slots, *scales)
-        return
-    num_kv_heads, head_dim = k.shape[1], k.shape[2]
-    flat = kv_cache.view(2, -1, num_kv_heads, head_dim)  # [2, num_slots, kv_heads, head_dim]
-    flat.index_copy_(1, slots, torch.stack((k, v)))
 
 
 def _gather(kv_cache: torch.Tensor, table: torch.Tensor, seq_len: int, dtype: torch.dtype,
