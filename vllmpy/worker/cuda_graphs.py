@@ -16,8 +16,6 @@ empty, so attention skips them and their hidden states are discarded.
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
-
 import torch
 from torch import nn
 
@@ -118,33 +116,10 @@ class StepGraphs:
             max_seq_len=self.max_model_len,
         )
 
-    def precompile(self) -> None:
-        """Compile the kernels the graphs need, several forwards at a time in threads.
-
-        A cold start spends seconds compiling Triton kernels, one variant after another,
-        if the capture's own warm-up forwards compile them; the smallest and largest
-        size of each kind between them need every variant, and in threads their compilers'
-        native parts (ptxas runs as a subprocess) overlap. The buffers hold padding only,
-        so these forwards write nothing to the KV cache; their outputs are discarded."""
-        jobs = [(self._meta(size), size) for size in sorted({self.sizes[0], self.sizes[-1]})]
-        if self.mixed_sizes:
-            jobs += [(self._mixed_meta(tokens), tokens)
-                     for tokens in sorted({self.mixed_sizes[0], self.mixed_sizes[-1]})]
-
-        def forward(meta: AttentionMetadata, n: int) -> None:
-            with torch.inference_mode():
-                self.model(self.input_ids[:n], self.positions[:n], meta)
-
-        with ThreadPoolExecutor(max_workers=len(jobs)) as pool:
-            for future in [pool.submit(forward, meta, n) for meta, n in jobs]:
-                future.result()
-        torch.cuda.synchronize()
-
     @torch.inference_mode()
     def capture(self) -> None:
         """Capture every graph, largest first, into one pool. The static buffers hold only
         padding while capturing, so nothing is written to the KV cache."""
-        self.precompile()
         pool = None
         for tokens in reversed(self.mixed_sizes):
             seqs = self._mixed_seqs(tokens)
