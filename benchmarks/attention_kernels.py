@@ -130,29 +130,13 @@ def sweep_splits(b: dict, batch: int, context: int) -> None:
             report(f"splits={splits}", time_graph(b, context, num_splits=splits), nbytes)
 
 
-def sweep_configs(b: dict, batch: int, context: int) -> None:
-    nbytes = kv_bytes(batch, context)
-    print(f"  launch shapes, batch {batch} x {context}:")
-    base = default_config(1, HEADS, KV_HEADS, DIM)
+def sweep_configs(b: dict, batch: int, context: int, fp8: bool = False) -> None:
+    """Decode launch shapes over bf16 pages, or over fp8 pages (half the bytes)."""
+    nbytes = kv_bytes(batch, context) // (2 if fp8 else 1)
+    print(f"  {'fp8 ' if fp8 else ''}launch shapes, batch {batch} x {context}:")
+    base = default_config(1, HEADS, KV_HEADS, DIM, fp8=fp8)
     for tile_n in (32, 64, 128):
-        for warps in (2, 4, 8):
-            for stages in (2, 3, 4):
-                cfg = AttentionKernelConfig(base.block_m, tile_n, warps, stages)
-                try:
-                    ms = time_triton(b, context, config=cfg)
-                except Exception as exc:  # a shape the compiler cannot fit
-                    print(f"  tile_n={tile_n} warps={warps} stages={stages}: {type(exc).__name__}")
-                    continue
-                report(f"tile_n={tile_n} warps={warps} stages={stages}", ms, nbytes)
-
-
-def sweep_fp8_configs(b: dict, batch: int, context: int) -> None:
-    """Decode launch shapes over fp8 pages (half the bytes of bf16)."""
-    nbytes = kv_bytes(batch, context) // 2
-    print(f"  fp8 launch shapes, batch {batch} x {context}:")
-    base = default_config(1, HEADS, KV_HEADS, DIM, fp8=True)
-    for tile_n in (32, 64, 128):
-        for warps in (4, 8):
+        for warps in (4, 8) if fp8 else (2, 4, 8):
             for stages in (2, 3, 4):
                 cfg = AttentionKernelConfig(base.block_m, tile_n, warps, stages)
                 try:
@@ -185,7 +169,7 @@ def main() -> None:
                    kv_bytes(batch, context) // 2)
             if args.sweep:
                 sweep_splits(fp8, batch, context)
-                sweep_fp8_configs(fp8, batch, context)
+                sweep_configs(fp8, batch, context, fp8=True)
         if args.sweep:
             sweep_splits(b, batch, context)
             if context <= 4096:

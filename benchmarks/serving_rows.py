@@ -171,7 +171,7 @@ def server_side_latency(url: str) -> list[tuple[str, str, str]]:
     sums: dict[str, float] = {}
     for line in text.splitlines():
         if line.startswith("vllm:") and ("_sum" in line or "_count" in line):
-            name, value = line.split("{")[0], float(line.rsplit(" ", 1)[1])
+            name, value = line.split("{")[0].split(" ")[0], float(line.rsplit(" ", 1)[1])
             sums[name] = sums.get(name, 0.0) + value
     rows = []
     for metric in ("time_to_first_token_seconds", "request_queue_time_seconds",

@@ -33,27 +33,36 @@ def runs(request):
     return request.param, outputs
 
 
+def top_n_agreement(refs, others) -> tuple[int, int, list[str]]:
+    """vLLM's check_logprobs_close rule over pairs of greedy completions (with logprobs):
+    a pair agrees when identical, or when at its first difference each run's token is
+    among the other's top logprobs. Returns (identical, agreeing, failure descriptions)."""
+    identical, agree, failures = 0, 0, []
+    for i, (ref, other) in enumerate(zip(refs, others)):
+        a, b = list(ref.token_ids), list(other.token_ids)
+        assert len(a) == len(b)
+        if a == b:
+            identical += 1
+            agree += 1
+            continue
+        step = next(j for j, (x, y) in enumerate(zip(a, b)) if x != y)
+        if b[step] in ref.logprobs[step] and a[step] in other.logprobs[step]:
+            agree += 1
+        else:
+            failures.append(f"prompt {i} step {step}: first run {a[step]} "
+                            f"(top {list(ref.logprobs[step])}), second run {b[step]} "
+                            f"(top {list(other.logprobs[step])})")
+    return identical, agree, failures
+
+
 def test_fp8_pages_keep_the_greedy_continuations_of_bf16_pages(runs):
     """A continuation agrees when it is the same 32 tokens, or when it leaves the bf16 one
     only at a step where each run's token is among the other's top-5: the rule vLLM's own
     fp8 KV tests apply (check_logprobs_close), since 1-byte pages move logits by more
     than bf16 logits resolve and so settle near-ties either way. At least 90% agree."""
     name, outputs = runs
-    identical, agree, failures = 0, 0, []
-    for i, (ref, fp8) in enumerate(zip(outputs["bfloat16"], outputs["fp8"])):
-        a, b = list(ref.token_ids), list(fp8.token_ids)
-        assert len(a) == len(b) == NEW_TOKENS
-        if a == b:
-            identical += 1
-            agree += 1
-            continue
-        step = next(j for j, (x, y) in enumerate(zip(a, b)) if x != y)
-        if b[step] in ref.logprobs[step] and a[step] in fp8.logprobs[step]:
-            agree += 1
-        else:
-            failures.append(f"prompt {i} step {step}: bf16 {a[step]} "
-                            f"(top-{TOP_N} {list(ref.logprobs[step])}), fp8 {b[step]} "
-                            f"(top-{TOP_N} {list(fp8.logprobs[step])})")
+    assert all(len(o.token_ids) == NEW_TOKENS for o in outputs["fp8"])
+    identical, agree, failures = top_n_agreement(outputs["bfloat16"], outputs["fp8"])
     total = len(outputs["fp8"])
     assert agree >= 0.9 * total, (
         f"{name}: {agree}/{total} continuations agree ({identical} identical); {failures}")

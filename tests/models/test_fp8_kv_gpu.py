@@ -9,6 +9,7 @@ import os
 
 import pytest
 import torch
+from models.test_fp8_kv_cache_real import top_n_agreement
 from models.test_tiny_models import COMMON, _make, _prompts
 
 from vllmpy import LLM, SamplingParams
@@ -45,20 +46,8 @@ def test_fp8_pages_keep_the_greedy_continuations_of_bf16_pages_on_the_gpu(kind, 
     prompts = _prompts(40, vocab, seed=11)
     ref = _continuations(path, "bfloat16", prompts, **kw)
     fp8 = _continuations(path, "fp8", prompts, **kw)
-    identical = agree = 0
-    failures = []
-    for i, (r, f) in enumerate(zip(ref, fp8)):
-        a, b = list(r.token_ids), list(f.token_ids)
-        if a == b:
-            identical += 1
-            agree += 1
-            continue
-        step = next(j for j, (x, y) in enumerate(zip(a, b)) if x != y)
-        if b[step] in r.logprobs[step] and a[step] in f.logprobs[step]:
-            agree += 1
-        else:
-            failures.append((i, step, a[step], b[step]))
+    identical, agree, failures = top_n_agreement(ref, fp8)
     print(f"{kind} fp8 vs bf16 KV on cuda: {identical}/40 identical, {agree}/40 agree")
     assert agree >= 0.9 * len(prompts), (
         f"{kind}: {agree}/40 continuations agree ({identical} identical); "
-        f"(prompt, step, bf16 token, fp8 token): {failures}")
+        f"{failures}")

@@ -32,6 +32,7 @@ import numpy as np
 from vllmpy import envs
 from vllmpy.config import EngineArgs, positive_int
 from vllmpy.entrypoints.arg_utils import OneLineArgumentParser
+from vllmpy.entrypoints.sse_client import HTTPStatusError, stream_events
 
 PROG = "vllm-bench"
 LABEL_WIDTH = 43  # report values start in the column after this many characters
@@ -448,8 +449,6 @@ async def _serve_all(args: argparse.Namespace, base: str, config: dict[str, Any]
 async def stream_completion(url: str, model: str, req: BenchRequest,
                             ignore_eos: bool) -> RequestResult:
     """One streaming completion; a failure is returned as a failed result, never raised."""
-    from vllmpy.entrypoints.sse_client import HTTPStatusError, stream_events
-
     body = {"model": model, "prompt": req.prompt, "max_tokens": req.output_len,
             "temperature": 0.0, "ignore_eos": ignore_eos, "stream": True,
             "stream_options": {"include_usage": True}}
