@@ -1,23 +1,29 @@
-"""GPU time of the decode GEMMs of the benchmark configs: cuBLAS (F.linear) against the
-skinny weight-streaming kernel over a few launch configurations, each timed as 50 calls
-replayed from a CUDA graph.
+"""GPU time of the decode GEMMs of the benchmark configs, each timed as 50 calls replayed
+from a CUDA graph.
 
-    python benchmarks/skinny_gemm_sweep.py
+    python benchmarks/skinny_gemm_sweep.py            # cuBLAS against the skinny kernel's
+                                                      # launch configurations, M = 1, 4, 8
+    python benchmarks/skinny_gemm_sweep.py --fused    # one-row layer steps: the norm or
+                                                      # SiLU launch plus the GEMM, against
+                                                      # the fused kernel
 """
 
 from __future__ import annotations
 
+import argparse
 import itertools
 
 import torch
 
-from vllmpy.ops.skinny_gemm import _launch
+from vllmpy.ops.fused import rms_norm, silu_and_mul
+from vllmpy.ops.skinny_gemm import PLAIN, RMS_NORM, SILU_MUL, _launch, skinny_gemm
 
 SHAPES = {  # name -> (N, K)
     "0.6b qkv": (4096, 1024), "0.6b o": (1024, 2048), "0.6b gate_up": (6144, 1024),
     "0.6b down": (1024, 3072), "8b qkv": (6144, 4096), "8b o": (4096, 4096),
     "8b gate_up": (24576, 4096), "8b down": (4096, 12288),
 }
+COPY_RATE = 4.27e12  # the H200's measured HBM copy rate, bytes/s
 
 
 def gpu_us(fn, reps: int = 50) -> float:
@@ -38,7 +44,7 @@ def gpu_us(fn, reps: int = 50) -> float:
     return start.elapsed_time(end) * 1e3 / (5 * reps)
 
 
-def main() -> None:
+def sweep() -> None:
     dev = torch.device("cuda")
     configs = list(itertools.product((8, 16, 32), (256, 512), (4, 8), (3, 5)))
     print(f"{'shape':14} {'M':>2} {'roof_us':>7} {'cublas':>7} {'best':>7} config")
@@ -49,21 +55,85 @@ def main() -> None:
         ref = torch.nn.functional.linear(x, w)
         cublas = gpu_us(lambda x=x, w=w: torch.nn.functional.linear(x, w))
         best, best_cfg = float("inf"), None
-        for bn, bk, nw, ns in configs:
+        for cfg in configs:
+            def call(cfg=cfg, x=x, w=w, out=out):
+                _launch(x, None, None, None, w, None, out, PLAIN, 0.0, *cfg)
             try:
-                _launch(x, w, None, out, bn, bk, nw, ns)
+                call()
                 torch.cuda.synchronize()
                 if not torch.allclose(out.float(), ref.float(), atol=0.1, rtol=0.02):
-                    print(f"  mismatch {name} M={m} {bn, bk, nw, ns}")
+                    print(f"  mismatch {name} M={m} {cfg}")
                     continue
-                t = gpu_us(lambda c=(x, w, None, out, bn, bk, nw, ns): _launch(*c))
+                t = gpu_us(call)
             except Exception as exc:  # a configuration the compiler rejects
-                print(f"  failed {bn, bk, nw, ns}: {type(exc).__name__}")
+                print(f"  failed {cfg}: {type(exc).__name__}")
                 continue
             if t < best:
-                best, best_cfg = t, (bn, bk, nw, ns)
-        roof = n * k * 2 / 4.27e12 * 1e6
+                best, best_cfg = t, cfg
+        roof = n * k * 2 / COPY_RATE * 1e6
         print(f"{name:14} {m:>2} {roof:7.2f} {cublas:7.2f} {best:7.2f} {best_cfg}")
+
+
+FUSED_CONFIGS = [(8, 512, 4, 3), (16, 512, 4, 3), (8, 256, 4, 4), (16, 256, 8, 3),
+                 (4, 1024, 4, 3), (32, 256, 8, 3)]
+
+
+def fused() -> None:
+    """One row: (norm launch + GEMM) against rms_norm_gemm, (SiLU launch + GEMM) against
+    silu_mul_gemm, and the plain GEMM for scale; then the read rate of a large sum."""
+    dev, bf16 = torch.device("cuda"), torch.bfloat16
+    print(f"{'step':16} {'roof_us':>7} {'plain':>7} {'2 launches':>10} {'fused':>7} best config")
+    for name in ("qkv", "gate_up", "down"):
+        for model in ("0.6b", "8b"):
+            n, k = SHAPES[f"{model} {name}"]
+            w = torch.randn(n, k, device=dev, dtype=bf16)
+            out = torch.empty(1, n, device=dev, dtype=bf16)
+            if name == "down":
+                x = torch.randn(1, 2 * k, device=dev, dtype=bf16)
+                plain_x = silu_and_mul(x)
+                two = lambda x=x, w=w: skinny_gemm(silu_and_mul(x), w)  # noqa: E731
+                args, prologue = (x, None, None, None), SILU_MUL
+            else:
+                x = torch.randn(1, k, device=dev, dtype=bf16)
+                res = torch.randn(1, k, device=dev, dtype=bf16)
+                nw = torch.rand(k, device=dev, dtype=bf16) + 0.5
+                total = torch.empty_like(x)
+                plain_x = x
+                two = (lambda x=x, w=w, res=res, nw=nw:  # noqa: E731
+                       skinny_gemm(rms_norm(x, nw, 1e-6, res)[0], w))
+                args, prologue = (x, res, nw, total), RMS_NORM
+            ref = two()
+            plain = gpu_us(lambda x=plain_x, w=w: skinny_gemm(x, w))
+            unfused = gpu_us(two)
+            best, best_cfg = float("inf"), None
+            for cfg in FUSED_CONFIGS:
+                def call(cfg=cfg, args=args, w=w, out=out, prologue=prologue):
+                    _launch(*args, w, None, out, prologue, 1e-6, *cfg)
+                try:
+                    call()
+                    torch.cuda.synchronize()
+                    if not torch.allclose(out.float(), ref.float(), atol=0.1, rtol=0.02):
+                        print(f"  mismatch {model} {name} {cfg}")
+                        continue
+                    t = gpu_us(call)
+                except Exception as exc:  # a configuration the compiler rejects
+                    print(f"  failed {cfg}: {type(exc).__name__}")
+                    continue
+                if t < best:
+                    best, best_cfg = t, cfg
+            roof = n * k * 2 / COPY_RATE * 1e6
+            print(f"{model + ' ' + name:16} {roof:7.2f} {plain:7.2f} {unfused:10.2f} "
+                  f"{best:7.2f} {best_cfg}")
+    big = torch.empty(1 << 30, device=dev, dtype=bf16).normal_()  # 2 GiB
+    t = gpu_us(lambda: big.sum(), reps=5)
+    print(f"read rate of a 2 GiB sum: {big.numel() * 2 / t / 1e6:.0f} GB/s")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--fused", action="store_true",
+                    help="time the one-row fused steps instead of the launch sweep")
+    fused() if ap.parse_args().fused else sweep()
 
 
 if __name__ == "__main__":

@@ -141,6 +141,45 @@ def test_qk_norm_rotary_matches_norms_then_rotary(dtype, heads, kv_heads, dim, p
     assert_close(k_out, k_ref, dtype)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("slots", [[5, 0, 9, 14, 3], [7, -1, 2], []])
+def test_qk_norm_rotary_stores_keys_and_values_as_reshape_and_cache(dtype, slots):
+    from vllmpy.ops.paged_attention import reshape_and_cache
+
+    heads, kv_heads, dim, block_size = 4, 2, 16, 4
+    positions, q, k, cache = make_rotary_inputs(5, heads, kv_heads, dim, dtype, packed=True)
+    v = randn(5, kv_heads * dim, dtype=dtype, seed=9)
+    qw, kw = randn(dim, dtype=dtype, seed=3), randn(dim, dtype=dtype, seed=4)
+    slot_mapping = torch.tensor(slots, dtype=torch.int64, device=DEVICE)
+    kv_cache = torch.full((2, 4, block_size, kv_heads, dim), 7.0, dtype=dtype, device=DEVICE)
+    expected = kv_cache.clone()
+    q_out, k_out = qk_norm_rotary(positions, q, k, qw, kw, 1e-6, cache, dim, v, kv_cache,
+                                  slot_mapping)
+    q_ref, k_ref = qk_norm_rotary(positions, q, k, qw, kw, 1e-6, cache, dim)
+    assert torch.equal(q_out, q_ref) and torch.equal(k_out, k_ref)
+    n = len(slots)  # rows past the slots (and slot -1) store nothing
+    reshape_and_cache(k_ref[:n].view(n, kv_heads, dim), v[:n].view(n, kv_heads, dim),
+                      expected, slot_mapping)
+    assert torch.equal(kv_cache, expected)
+
+
+def test_qk_norm_rotary_store_names_bad_arguments():
+    positions, q, k, cache = make_rotary_inputs(3, 2, 1, 8, torch.float32)
+    w, v = randn(8), randn(3, 8)
+    kv = torch.zeros(2, 2, 4, 1, 8, device=DEVICE)
+    slots = torch.arange(3, device=DEVICE)
+    with pytest.raises(ValueError, match="needs v, kv_cache and slot_mapping"):
+        qk_norm_rotary(positions, q, k, w, w, 1e-6, cache, 8, None, kv, slots)
+    with pytest.raises(ValueError, match="v must match k"):
+        qk_norm_rotary(positions, q, k, w, w, 1e-6, cache, 8, v[:, :4], kv, slots)
+    with pytest.raises(ValueError, match="kv_cache must be \\[2, num_blocks"):
+        qk_norm_rotary(positions, q, k, w, w, 1e-6, cache, 8, v, kv[:, :, :, :, :4], slots)
+    with pytest.raises(ValueError, match="kv_cache must be of q's dtype"):
+        qk_norm_rotary(positions, q, k, w, w, 1e-6, cache, 8, v, kv.double(), slots)
+    with pytest.raises(ValueError, match="slot_mapping must be"):
+        qk_norm_rotary(positions, q, k, w, w, 1e-6, cache, 8, v, kv, torch.arange(4))
+
+
 def test_qk_norm_rotary_names_bad_arguments():
     positions, q, k, cache = make_rotary_inputs(3, 2, 1, 8, torch.float32)
     w = randn(8)

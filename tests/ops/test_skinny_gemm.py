@@ -1,4 +1,5 @@
-"""The skinny GEMM kernel against F.linear (runs under the Triton interpreter on the CPU)."""
+"""The skinny GEMM kernel and its fused prologues against their PyTorch references (they run
+under the Triton interpreter on the CPU)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from vllmpy.ops.skinny_gemm import MAX_ROWS, skinny_gemm
+from vllmpy.ops.fused import rms_norm, silu_and_mul
+from vllmpy.ops.skinny_gemm import (
+    MAX_ROWS,
+    rms_norm_gemm,
+    rms_norm_gemm_ref,
+    silu_mul_gemm,
+    silu_mul_gemm_ref,
+    skinny_gemm,
+)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -37,9 +46,84 @@ def test_refusals() -> None:
     x = torch.randn(MAX_ROWS + 1, 16)
     with pytest.raises(ValueError, match=f"at most {MAX_ROWS} rows"):
         skinny_gemm(x, torch.randn(4, 16))
-    with pytest.raises(ValueError, match="weight \\[N, K\\]"):
+    with pytest.raises(ValueError, match="weight \\[N, 16\\]"):
         skinny_gemm(torch.randn(1, 16), torch.randn(4, 15))
     with pytest.raises(ValueError, match="contiguous in their last dimension"):
         skinny_gemm(torch.randn(1, 16), torch.randn(16, 4).t())
     with pytest.raises(ValueError, match="bias must be"):
         skinny_gemm(torch.randn(1, 16), torch.randn(4, 16), torch.randn(5))
+
+
+@pytest.mark.parametrize("m,n,k", [(1, 40, 70), (3, 64, 512), (8, 24, 1030)])
+@pytest.mark.parametrize("with_residual", [False, True])
+@pytest.mark.parametrize("bias", [False, True])
+def test_rms_norm_gemm_matches_reference_fp32(m: int, n: int, k: int, with_residual: bool,
+                                              bias: bool) -> None:
+    g = torch.Generator().manual_seed(m * 100 + n + with_residual)
+    x = (3 * torch.randn(m, k, generator=g)).to(DEVICE)
+    res = torch.randn(m, k, generator=g).to(DEVICE) if with_residual else None
+    nw = torch.rand(k, generator=g).to(DEVICE) + 0.5
+    w = torch.randn(n, k, generator=g).to(DEVICE)
+    b = torch.randn(n, generator=g).to(DEVICE) if bias else None
+    out, total = rms_norm_gemm(x, res, nw, 1e-6, w, b)
+    ref_out, ref_total = rms_norm_gemm_ref(x, res, nw, 1e-6, w, b)
+    torch.testing.assert_close(total, ref_total, rtol=0, atol=0)
+    torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-4)
+    if res is None:
+        assert total is x  # no sum to make: the input is the residual
+
+
+def test_rms_norm_gemm_bf16_equals_the_unfused_kernels() -> None:
+    # the fused prologue rounds where rms_norm rounds: the same product as the two launches
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(1, 512, generator=g).to(DEVICE, torch.bfloat16)
+    res = torch.randn(1, 512, generator=g).to(DEVICE, torch.bfloat16)
+    nw = (torch.rand(512, generator=g) + 0.5).to(DEVICE, torch.bfloat16)
+    w = torch.randn(96, 512, generator=g).to(DEVICE, torch.bfloat16)
+    out, total = rms_norm_gemm(x, res, nw, 1e-6, w)
+    normed, ref_total = rms_norm(x, nw, 1e-6, res)
+    assert torch.equal(total, ref_total)
+    ref = skinny_gemm(normed, w)
+    # equal up to the order of the fp32 sums (the row's norm is summed in another order)
+    torch.testing.assert_close(out.float(), ref.float(), rtol=2**-7, atol=1e-2)
+    exact = F.linear(normed.float(), w.float())
+    torch.testing.assert_close(out.float(), exact, rtol=2**-7, atol=1e-2)
+
+
+@pytest.mark.parametrize("m,n,k", [(1, 40, 70), (4, 64, 512), (8, 9, 300)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_silu_mul_gemm_matches_reference_fp32(m: int, n: int, k: int, bias: bool) -> None:
+    g = torch.Generator().manual_seed(m * 10 + n)
+    x = (2 * torch.randn(m, 2 * k, generator=g)).to(DEVICE)
+    w = torch.randn(n, k, generator=g).to(DEVICE)
+    b = torch.randn(n, generator=g).to(DEVICE) if bias else None
+    torch.testing.assert_close(silu_mul_gemm(x, w, b), silu_mul_gemm_ref(x, w, b),
+                               rtol=1e-5, atol=1e-4)
+
+
+def test_silu_mul_gemm_bf16_equals_the_unfused_kernels() -> None:
+    g = torch.Generator().manual_seed(2)
+    x = (2 * torch.randn(1, 2 * 384, generator=g)).to(DEVICE, torch.bfloat16)
+    w = torch.randn(80, 384, generator=g).to(DEVICE, torch.bfloat16)
+    act = silu_and_mul(x)
+    # the prologue rounds as the SiLU kernel does, and the sums run in the same order
+    assert torch.equal(silu_mul_gemm(x, w), skinny_gemm(act, w))
+    exact = F.linear(act.float(), w.float())
+    torch.testing.assert_close(silu_mul_gemm(x, w).float(), exact, rtol=2**-7, atol=1e-2)
+
+
+def test_fused_refusals() -> None:
+    x = torch.randn(1, 16)
+    w = torch.randn(4, 16)
+    with pytest.raises(ValueError, match="norm_weight must be a contiguous \\[16\\]"):
+        rms_norm_gemm(x, None, torch.ones(15), 1e-6, w)
+    with pytest.raises(ValueError, match="norm_weight must be .* of torch.float32"):
+        rms_norm_gemm(x, None, torch.ones(16, dtype=torch.bfloat16), 1e-6, w)
+    with pytest.raises(ValueError, match="residual must match x"):
+        rms_norm_gemm(x, torch.randn(1, 8), torch.ones(16), 1e-6, w)
+    with pytest.raises(ValueError, match="x \\[M, 2 \\* K\\]"):
+        silu_mul_gemm(torch.randn(1, 15), w)
+    with pytest.raises(ValueError, match="weight \\[N, 8\\]"):
+        silu_mul_gemm(x, w)
+    with pytest.raises(ValueError, match=f"at most {MAX_ROWS} rows"):
+        silu_mul_gemm(torch.randn(MAX_ROWS + 1, 32), w)

@@ -22,14 +22,16 @@ FP8_MAX = torch.finfo(FP8_KV_DTYPE).max  # 448: the largest finite e4m3 value
 
 
 class AttentionBackend:
-    """Contract: ``forward(q, k, v, kv_cache, meta, k_scale, v_scale)`` with q
+    """Contract: ``forward(q, k, v, kv_cache, meta, k_scale, v_scale, kv_stored)`` with q
     [num_tokens, num_heads, head_dim], k and v [num_tokens, num_kv_heads, head_dim]; writes
-    k and v at ``meta.slot_mapping`` (quantized with the scales when the cache is fp8) and
-    returns [num_tokens, num_heads, head_dim]."""
+    k and v at ``meta.slot_mapping`` (quantized with the scales when the cache is fp8),
+    unless ``kv_stored`` says the caller already has, and returns [num_tokens, num_heads,
+    head_dim]."""
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: torch.Tensor, meta: AttentionMetadata,
-                k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
+                k_scale: float = 1.0, v_scale: float = 1.0,
+                kv_stored: bool = False) -> torch.Tensor:
         raise NotImplementedError
 
 
@@ -82,10 +84,12 @@ class TorchReferenceBackend(AttentionBackend):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: torch.Tensor, meta: AttentionMetadata,
-                k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
+                k_scale: float = 1.0, v_scale: float = 1.0,
+                kv_stored: bool = False) -> torch.Tensor:
         num_tokens = meta.num_actual_tokens
-        write_kv_cache(k[:num_tokens], v[:num_tokens], kv_cache, meta.slot_mapping[:num_tokens],
-                       k_scale, v_scale)
+        if not kv_stored:
+            write_kv_cache(k[:num_tokens], v[:num_tokens], kv_cache,
+                           meta.slot_mapping[:num_tokens], k_scale, v_scale)
         scales = (k_scale, v_scale)
         out = torch.empty_like(q)
         starts = meta.query_start_loc_cpu

@@ -54,7 +54,8 @@ class CpuAttentionBackend(AttentionBackend):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: torch.Tensor, meta: AttentionMetadata,
-                k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
+                k_scale: float = 1.0, v_scale: float = 1.0,
+                kv_stored: bool = False) -> torch.Tensor:
         num_tokens, scales, slots = meta.num_actual_tokens, (k_scale, v_scale), meta.slot_mapping
         if num_tokens < k.shape[0] or num_tokens < slots.shape[0]:  # padding writes nothing
             k, v, slots = k[:num_tokens], v[:num_tokens], slots[:num_tokens]
@@ -67,12 +68,14 @@ class CpuAttentionBackend(AttentionBackend):
             if serial:
                 torch.set_num_threads(1)
             try:
-                write_kv_cache(k, v, kv_cache, slots, *scales)
+                if not kv_stored:
+                    write_kv_cache(k, v, kv_cache, slots, *scales)
                 return self._decode(q, kv_cache, meta, decodes, scales).to(q.dtype)
             finally:
                 if serial:
                     torch.set_num_threads(threads)
-        write_kv_cache(k, v, kv_cache, slots, *scales)
+        if not kv_stored:
+            write_kv_cache(k, v, kv_cache, slots, *scales)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if decodes:
             tokens = [starts[i] for i in decodes]

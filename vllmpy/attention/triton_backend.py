@@ -10,7 +10,8 @@ from vllmpy.ops.paged_attention import paged_attention, reshape_and_cache
 
 
 class TritonAttentionBackend(AttentionBackend):
-    """Same contract and results as ``TorchReferenceBackend``, in two launches per layer:
+    """Same contract and results as ``TorchReferenceBackend``, in two launches per layer
+    (one when the caller stored the keys and values itself):
     ``reshape_and_cache`` stores the step's keys and values, ``paged_attention`` attends
     over the whole mixed batch (split-KV for long decodes). An fp8 cache is written
     quantized with the layer's ``k_scale``/``v_scale`` and read back through them.
@@ -33,9 +34,11 @@ class TritonAttentionBackend(AttentionBackend):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: torch.Tensor, meta: AttentionMetadata,
-                k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
+                k_scale: float = 1.0, v_scale: float = 1.0,
+                kv_stored: bool = False) -> torch.Tensor:
         n = meta.num_actual_tokens
-        reshape_and_cache(k[:n], v[:n], kv_cache, meta.slot_mapping[:n], k_scale, v_scale)
+        if not kv_stored:
+            reshape_and_cache(k[:n], v[:n], kv_cache, meta.slot_mapping[:n], k_scale, v_scale)
         out = torch.empty_like(q)  # [num_tokens, num_heads, head_dim]
         max_query_len, max_seq_len = _step_maxima(meta)
         paged_attention(q, kv_cache, out, meta.query_start_loc, meta.seq_lens,

@@ -41,8 +41,9 @@ class Attention(nn.Module):
         self.loaded_scales: set[str] = set()  # "k_scale" / "v_scale" read from the checkpoint
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
-        """q: [num_tokens, num_heads * head_dim], k/v: [num_tokens, num_kv_heads * head_dim]."""
+                meta: AttentionMetadata, kv_stored: bool = False) -> torch.Tensor:
+        """q: [num_tokens, num_heads * head_dim], k/v: [num_tokens, num_kv_heads * head_dim].
+        ``kv_stored``: the caller has already written k and v at ``meta.slot_mapping``."""
         if self.kv_cache is None:
             raise RuntimeError("attention layer used before its KV cache was bound")
         n = q.shape[0]
@@ -50,7 +51,7 @@ class Attention(nn.Module):
             q.view(n, self.num_heads, self.head_dim),
             k.view(n, self.num_kv_heads, self.head_dim),
             v.view(n, self.num_kv_heads, self.head_dim),
-            self.kv_cache, meta, self.k_scale, self.v_scale)
+            self.kv_cache, meta, self.k_scale, self.v_scale, kv_stored)
         return out.reshape(n, self.num_heads * self.head_dim)
 
 

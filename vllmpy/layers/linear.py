@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from vllmpy.layers.norm import RMSNorm
 from vllmpy.layers.quantized import (
     Int4Weight,
     QuantizedTensor,
@@ -76,13 +77,19 @@ class Linear(nn.Module):
                                  or self.weight is None):
             y = int4_linear(x, int4)
             return y if self.bias is None else y + self.bias
-        if x.is_cuda and x.dim() == 2 and x.shape[0] == 1 and self.output_size <= 32768:
-            # One row (a batch-1 decode): a weight-streaming kernel beats cuBLAS on the
-            # decoder's matrices; on a vocabulary-wide lm_head cuBLAS is faster.
+        if self.streams_one_row(x):
             from vllmpy.ops.skinny_gemm import skinny_gemm
 
             return skinny_gemm(x, self.weight, self.bias)  # type: ignore[arg-type]
         return F.linear(x, self.weight, self.bias)  # type: ignore[arg-type]
+
+    def streams_one_row(self, x: torch.Tensor) -> bool:
+        """Whether x goes through the weight-streaming kernel (``vllmpy.ops.skinny_gemm``):
+        one CUDA row (a batch-1 decode), where it beats cuBLAS on the decoder's matrices. On
+        a vocabulary-wide lm_head cuBLAS is faster."""
+        return (x.is_cuda and x.dim() == 2 and x.shape[0] == 1 and x.stride(1) == 1
+                and self.output_size <= 32768 and self.weight is not None
+                and self.int4 is None)
 
     def _dense(self, name: str) -> nn.Parameter:
         if self.weight is None:
@@ -109,6 +116,23 @@ class Linear(nn.Module):
                 self._set_int4(loaded)
                 return
         default_weight_loader(weight, loaded, name)
+
+
+def rms_norm_linear(norm: RMSNorm, linear: Linear, x: torch.Tensor,
+                    residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(linear(norm(x + residual)), x + residual)``; without a residual
+    ``(linear(norm(x)), x)``. A row the linear layer streams takes one launch for both
+    (``rms_norm_gemm``), with the same values as the two layers one after the other."""
+    if (linear.streams_one_row(x) and norm.weight.dtype == x.dtype
+            and (residual is None or residual.stride(-1) == 1)):
+        from vllmpy.ops.skinny_gemm import rms_norm_gemm
+
+        return rms_norm_gemm(x, residual, norm.weight, norm.eps,
+                             linear.weight, linear.bias)  # type: ignore[arg-type]
+    if residual is None:
+        return linear(norm(x)), x
+    normed, residual = norm(x, residual)
+    return linear(normed), residual
 
 
 class PackedLinear(Linear):

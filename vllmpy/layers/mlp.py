@@ -19,4 +19,14 @@ class GatedMLP(nn.Module):
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))  # [num_tokens, hidden_size]
+        return self.down(self.gate_up_proj(x))  # [num_tokens, hidden_size]
+
+    def down(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """down_proj(silu(gate) * up) from gate_up_proj's output. A row the down projection
+        streams takes one launch for both (``silu_mul_gemm``)."""
+        down = self.down_proj
+        if down.streams_one_row(gate_up):
+            from vllmpy.ops.skinny_gemm import silu_mul_gemm
+
+            return silu_mul_gemm(gate_up, down.weight, down.bias)  # type: ignore[arg-type]
+        return down(self.act_fn(gate_up))

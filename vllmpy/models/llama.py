@@ -11,7 +11,12 @@ from torch import nn
 from vllmpy.attention.metadata import AttentionMetadata
 from vllmpy.config import TextModelConfig
 from vllmpy.layers.attention import Attention, KVScaleLoader
-from vllmpy.layers.linear import Linear, PackedLinear, tie_quantized_lm_head
+from vllmpy.layers.linear import (
+    Linear,
+    PackedLinear,
+    rms_norm_linear,
+    tie_quantized_lm_head,
+)
 from vllmpy.layers.mlp import GatedMLP
 from vllmpy.layers.norm import RMSNorm
 from vllmpy.layers.rotary import RotaryEmbedding
@@ -45,9 +50,10 @@ class LlamaAttention(nn.Module):
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim,
                               scale=self.head_dim ** -0.5)
 
-    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor,
+    def forward(self, positions: torch.Tensor, qkv: torch.Tensor,
                 attn_metadata: AttentionMetadata) -> torch.Tensor:
-        qkv = self.qkv_proj(hidden_states)  # [num_tokens, q_size + 2 * kv_size]
+        """qkv: qkv_proj's output, [num_tokens, q_size + 2 * kv_size] (the decoder layer
+        runs the projection, so that it can take the layer norm into the same launch)."""
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q, k = self.rotary_emb(positions, q, k)
         return self.o_proj(self.attn(q, k, v, attn_metadata))
@@ -64,14 +70,13 @@ class LlamaDecoderLayer(nn.Module):
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor,
                 residual: torch.Tensor | None,
                 attn_metadata: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual = hidden_states
-            hidden_states = self.input_layernorm(hidden_states)
-        else:
-            hidden_states, residual = self.input_layernorm(hidden_states, residual)
-        hidden_states = self.self_attn(positions, hidden_states, attn_metadata)
-        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
-        return self.mlp(hidden_states), residual
+        # each layer norm runs with the projection after it (one launch for one row)
+        qkv, residual = rms_norm_linear(self.input_layernorm, self.self_attn.qkv_proj,
+                                        hidden_states, residual)
+        hidden_states = self.self_attn(positions, qkv, attn_metadata)
+        gate_up, residual = rms_norm_linear(self.post_attention_layernorm,
+                                            self.mlp.gate_up_proj, hidden_states, residual)
+        return self.mlp.down(gate_up), residual
 
 
 class LlamaModel(nn.Module):

@@ -11,7 +11,12 @@ from torch import nn
 from vllmpy.attention.metadata import AttentionMetadata
 from vllmpy.config import TextModelConfig
 from vllmpy.layers.attention import Attention, KVScaleLoader
-from vllmpy.layers.linear import Linear, PackedLinear, tie_quantized_lm_head
+from vllmpy.layers.linear import (
+    Linear,
+    PackedLinear,
+    rms_norm_linear,
+    tie_quantized_lm_head,
+)
 from vllmpy.layers.mlp import GatedMLP
 from vllmpy.layers.norm import RMSNorm
 from vllmpy.layers.rotary import RotaryEmbedding
@@ -47,18 +52,24 @@ class Qwen3Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
 
-    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor,
+    def forward(self, positions: torch.Tensor, qkv: torch.Tensor,
                 attn_metadata: AttentionMetadata) -> torch.Tensor:
-        qkv = self.qkv_proj(hidden_states)  # [num_tokens, q_size + 2 * kv_size]
+        """qkv: qkv_proj's output, [num_tokens, q_size + 2 * kv_size] (the decoder layer
+        runs the projection, so that it can take the layer norm into the same launch)."""
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         n = q.shape[0]
         if q.is_cuda:
             from vllmpy.ops.fused import qk_norm_rotary  # both norms and rotary: one launch
 
+            # a cache of the model's dtype takes the keys and values in the same launch
+            cache = self.attn.kv_cache
+            store = cache is not None and cache.dtype == q.dtype
+            slots = attn_metadata.slot_mapping[:attn_metadata.num_actual_tokens]
             q, k = qk_norm_rotary(positions, q, k, self.q_norm.weight, self.k_norm.weight,
                                   self.q_norm.eps, self.rotary_emb.cos_sin_cache(q.device),
-                                  self.head_dim)
-            return self.o_proj(self.attn(q, k, v, attn_metadata))
+                                  self.head_dim, v if store else None,
+                                  cache if store else None, slots if store else None)
+            return self.o_proj(self.attn(q, k, v, attn_metadata, kv_stored=store))
         # per-head norms: [num_tokens, heads, head_dim] -> back to [num_tokens, heads * head_dim]
         q = self.q_norm(q.reshape(n, self.num_heads, self.head_dim)).view(n, self.q_size)
         k = self.k_norm(k.reshape(n, self.num_kv_heads, self.head_dim)).view(n, self.kv_size)
@@ -77,14 +88,13 @@ class Qwen3DecoderLayer(nn.Module):
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor,
                 residual: torch.Tensor | None,
                 attn_metadata: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual = hidden_states
-            hidden_states = self.input_layernorm(hidden_states)
-        else:
-            hidden_states, residual = self.input_layernorm(hidden_states, residual)
-        hidden_states = self.self_attn(positions, hidden_states, attn_metadata)
-        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
-        return self.mlp(hidden_states), residual
+        # each layer norm runs with the projection after it (one launch for one row)
+        qkv, residual = rms_norm_linear(self.input_layernorm, self.self_attn.qkv_proj,
+                                        hidden_states, residual)
+        hidden_states = self.self_attn(positions, qkv, attn_metadata)
+        gate_up, residual = rms_norm_linear(self.post_attention_layernorm,
+                                            self.mlp.gate_up_proj, hidden_states, residual)
+        return self.mlp.down(gate_up), residual
 
 
 class Qwen3Model(nn.Module):

@@ -230,6 +230,7 @@ def _norm_rotate_heads(src, dst, w_ptr, cos, sin, num_heads, eps,
                        HEAD_DIM: tl.constexpr, HALF_PAD: tl.constexpr,
                        HEADS_PAD: tl.constexpr):
     # As _rotate_heads, after an RMSNorm over each head rounded as rms_norm rounds it.
+    # Returns the two rotated halves ([HEADS_PAD, HALF_PAD] each, in dst's dtype).
     heads = tl.arange(0, HEADS_PAD)[:, None]
     dims = tl.arange(0, HALF_PAD)[None, :]
     mask = (heads < num_heads) & (dims < HEAD_DIM // 2)
@@ -245,15 +246,21 @@ def _norm_rotate_heads(src, dst, w_ptr, cos, sin, num_heads, eps,
     ty = dst.dtype.element_ty
     x1 = (w1 * (x1 * inv).to(ty).to(tl.float32)).to(ty).to(tl.float32)
     x2 = (w2 * (x2 * inv).to(ty).to(tl.float32)).to(ty).to(tl.float32)
-    tl.store(dst + first, (x1 * cos - x2 * sin).to(ty), mask=mask)
-    tl.store(dst + second, (x2 * cos + x1 * sin).to(ty), mask=mask)
+    y1 = (x1 * cos - x2 * sin).to(ty)
+    y2 = (x2 * cos + x1 * sin).to(ty)
+    tl.store(dst + first, y1, mask=mask)
+    tl.store(dst + second, y2, mask=mask)
+    return y1, y2
 
 
 @triton.jit
 def _qk_norm_rotary_kernel(
-    pos_ptr, q_ptr, k_ptr, qw_ptr, kw_ptr, cache_ptr, q_out_ptr, k_out_ptr,
-    stride_q, stride_k, stride_cache, num_q_heads, num_k_heads, eps,
+    pos_ptr, q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, cache_ptr, q_out_ptr, k_out_ptr,
+    kv_ptr, slot_ptr, num_slots,
+    stride_q, stride_k, stride_v, stride_cache, num_q_heads, num_k_heads, eps,
+    stride_c_kv, stride_c_blk, stride_c_slot, stride_c_head,
     HEAD_DIM: tl.constexpr, HALF_PAD: tl.constexpr, HEADS_PAD: tl.constexpr,
+    STORE_KV: tl.constexpr, BLOCK_SIZE: tl.constexpr,
 ):
     tok = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + tok).to(tl.int64)
@@ -264,23 +271,53 @@ def _qk_norm_rotary_kernel(
     sin = tl.load(row + HEAD_DIM // 2 + dims, mask=dim_ok, other=0.0)[None, :]
     _norm_rotate_heads(q_ptr + tok * stride_q, q_out_ptr + tok * num_q_heads * HEAD_DIM,
                        qw_ptr, cos, sin, num_q_heads, eps, HEAD_DIM, HALF_PAD, HEADS_PAD)
-    _norm_rotate_heads(k_ptr + tok * stride_k, k_out_ptr + tok * num_k_heads * HEAD_DIM,
-                       kw_ptr, cos, sin, num_k_heads, eps, HEAD_DIM, HALF_PAD, HEADS_PAD)
+    k1, k2 = _norm_rotate_heads(k_ptr + tok * stride_k,
+                                k_out_ptr + tok * num_k_heads * HEAD_DIM, kw_ptr, cos, sin,
+                                num_k_heads, eps, HEAD_DIM, HALF_PAD, HEADS_PAD)
+    if STORE_KV:
+        # the rotated keys and the values into the paged cache, as reshape_and_cache stores
+        # them; tokens past the slots, or on a negative slot (padding), store nothing
+        slot = tl.load(slot_ptr + tl.minimum(tok, num_slots - 1)).to(tl.int64)
+        if (tok < num_slots) & (slot >= 0):
+            heads = tl.arange(0, HEADS_PAD)[:, None]
+            d2 = dims[None, :]
+            mask = (heads < num_k_heads) & (d2 < HEAD_DIM // 2)
+            dst = (kv_ptr + (slot // BLOCK_SIZE) * stride_c_blk
+                   + (slot % BLOCK_SIZE) * stride_c_slot + heads * stride_c_head + d2)
+            tl.store(dst, k1, mask=mask)
+            tl.store(dst + HEAD_DIM // 2, k2, mask=mask)
+            src = v_ptr + tok * stride_v + heads * HEAD_DIM + d2
+            v1 = tl.load(src, mask=mask, other=0.0)
+            v2 = tl.load(src + HEAD_DIM // 2, mask=mask, other=0.0)
+            tl.store(dst + stride_c_kv, v1, mask=mask)
+            tl.store(dst + stride_c_kv + HEAD_DIM // 2, v2, mask=mask)
 
 
 def qk_norm_rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                    q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float,
-                   cos_sin_cache: torch.Tensor, head_dim: int
+                   cos_sin_cache: torch.Tensor, head_dim: int,
+                   v: torch.Tensor | None = None, kv_cache: torch.Tensor | None = None,
+                   slot_mapping: torch.Tensor | None = None
                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """Qwen3's per-head RMSNorm of q and k followed by rotary, in one launch: the same
     values as ``rms_norm`` on each head and then ``rotary_embedding``. Arguments as
-    ``rotary_embedding``, plus the [head_dim] norm weights (of q's dtype) and eps."""
+    ``rotary_embedding``, plus the [head_dim] norm weights (of q's dtype) and eps.
+
+    With ``v``, ``kv_cache`` and ``slot_mapping`` the same launch also stores the rotated
+    keys and ``v`` into the cache, as ``reshape_and_cache`` would: ``kv_cache`` [2,
+    num_blocks, block_size, num_kv_heads, head_dim] of q's dtype (an fp8 cache needs the
+    quantizing writer), ``slot_mapping`` [n] for the first n tokens (a negative slot is
+    padding and stores nothing)."""
     for name, w in (("q_weight", q_weight), ("k_weight", k_weight)):
         if w.shape != (head_dim,) or w.stride(0) != 1 or w.dtype != q.dtype:
             raise ValueError(f"{name} must be a contiguous [{head_dim}] of {q.dtype}, got "
                              f"{w.dtype} {tuple(w.shape)}")
         check_same_device(name, w, q, "q")
     _check_rotary(positions, q, k, cos_sin_cache, head_dim)
+    store = kv_cache is not None
+    if store:
+        _check_store(q, k, v, kv_cache, slot_mapping, head_dim)
+        store = slot_mapping.shape[0] > 0  # type: ignore[union-attr]
     num_tokens = positions.shape[0]
     q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
@@ -289,13 +326,45 @@ def qk_norm_rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
     num_q_heads, num_k_heads = q.shape[1] // head_dim, k.shape[1] // head_dim
     heads_pad = triton.next_power_of_2(max(num_q_heads, num_k_heads, 1))
     half_pad = triton.next_power_of_2(head_dim // 2)
+    cache = kv_cache if store else q
+    strides = kv_cache.stride()[:4] if store else (0, 0, 0, 0)  # type: ignore[union-attr]
+    slots = slot_mapping if store else positions
     _qk_norm_rotary_kernel[(num_tokens,)](
-        positions, q, k, q_weight, k_weight, cos_sin_cache, q_out, k_out,
-        q.stride(0), k.stride(0), cos_sin_cache.stride(0), num_q_heads, num_k_heads, eps,
-        HEAD_DIM=head_dim, HALF_PAD=half_pad, HEADS_PAD=heads_pad,
+        positions, q, k, v if store else k, q_weight, k_weight, cos_sin_cache, q_out, k_out,
+        cache, slots, slots.shape[0],  # type: ignore[union-attr]
+        q.stride(0), k.stride(0), v.stride(0) if store else 0,  # type: ignore[union-attr]
+        cos_sin_cache.stride(0), num_q_heads, num_k_heads, eps, *strides,
+        HEAD_DIM=head_dim, HALF_PAD=half_pad, HEADS_PAD=heads_pad, STORE_KV=store,
+        BLOCK_SIZE=kv_cache.shape[2] if store else 1,  # type: ignore[union-attr]
         num_warps=max(1, min(8, heads_pad * half_pad // 256)),
     )
     return q_out, k_out
+
+
+def _check_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None,
+                 kv_cache: torch.Tensor | None, slot_mapping: torch.Tensor | None,
+                 head_dim: int) -> None:
+    if v is None or kv_cache is None or slot_mapping is None:
+        raise ValueError("storing into the KV cache needs v, kv_cache and slot_mapping")
+    if v.shape != k.shape or v.dtype != k.dtype or v.stride(1) != 1:
+        raise ValueError(f"v must match k ({k.dtype} {tuple(k.shape)}) and be contiguous in "
+                         f"its last dimension, got {v.dtype} {tuple(v.shape)}")
+    num_kv_heads = k.shape[1] // head_dim
+    if (kv_cache.dim() != 5 or kv_cache.shape[0] != 2
+            or tuple(kv_cache.shape[3:]) != (num_kv_heads, head_dim)
+            or kv_cache.stride(4) != 1):
+        raise ValueError(f"kv_cache must be [2, num_blocks, block_size, {num_kv_heads}, "
+                         f"{head_dim}] contiguous in its last dimension, got "
+                         f"{tuple(kv_cache.shape)}")
+    if kv_cache.dtype != q.dtype:
+        raise ValueError(f"kv_cache must be of q's dtype ({q.dtype}) to be stored here, got "
+                         f"{kv_cache.dtype}")
+    if (slot_mapping.dim() != 1 or slot_mapping.shape[0] > k.shape[0]
+            or slot_mapping.dtype not in (torch.int32, torch.int64)):
+        raise ValueError(f"slot_mapping must be an int32 or int64 [n] with n <= "
+                         f"{k.shape[0]}, got {slot_mapping.dtype} {tuple(slot_mapping.shape)}")
+    for name, t in (("v", v), ("kv_cache", kv_cache), ("slot_mapping", slot_mapping)):
+        check_same_device(name, t, q, "q")
 
 
 def qk_norm_rotary_ref(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,

@@ -1,46 +1,98 @@
-"""``x @ w.T`` for the few rows of a decode step: a weight-streaming kernel.
+"""``x @ w.T`` for the few rows of a decode step: a weight-streaming kernel, which can also
+take the step before it into its prologue.
 
 With a handful of rows the product is a read of the weight matrix, so the kernel is built
 to stream it: each program owns ``BLOCK_N`` output columns (weight rows), walks the whole
 reduction in ``BLOCK_K`` chunks with the loads pipelined, and keeps the few activation rows
 in registers. Accumulation is in fp32 and each output is rounded once, as cuBLAS does.
-The PyTorch reference is ``torch.nn.functional.linear``.
+
+The elementwise step that feeds a decoder's linear layer can run inside the same launch,
+on the activation chunk each program loads anyway; a one-row decode then takes one kernel
+where it took two:
+
+- ``rms_norm_gemm``: ``linear(rms_norm(x + residual))``, also returning ``x + residual``
+  (the qkv and gate_up projections after their layer norms). Every program computes the
+  row's norm itself, from a row that sits in L2; program 0 stores the sum.
+- ``silu_mul_gemm``: ``linear(silu(gate) * up)`` (the down projection).
+
+Both round where the unfused kernels round (``vllmpy.ops.fused``), so they give the same
+values up to the order of the fp32 sums. The PyTorch references are the layers' own
+functions followed by ``torch.nn.functional.linear``.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from vllmpy.layers.activation import silu_and_mul_torch
+from vllmpy.layers.norm import rms_norm_torch
 from vllmpy.ops.checks import check_float, check_same_device
 
 # The kernel takes up to this many rows. Measured on the H200 it beats cuBLAS for one row
 # only (docs/BENCHMARKS.md), which is where the linear layers use it.
 MAX_ROWS = 8
 
+# what a program does to its activation chunk before the product
+PLAIN, RMS_NORM, SILU_MUL = 0, 1, 2
+
 
 @triton.jit
 def _skinny_gemm_kernel(
-    x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
-    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
+    x_ptr, res_ptr, nw_ptr, sum_ptr, w_ptr, b_ptr, out_ptr, M, N, K,
+    stride_xm, stride_rm, stride_wn, stride_om, eps,
+    PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_H: tl.constexpr,
 ):
     pid = tl.program_id(0)
+    dtype = x_ptr.dtype.element_ty
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
     n_ok = offs_n < N
     m_ok = offs_m < M
+    rstd = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    if PROLOGUE == RMS_NORM:
+        # each row's 1 / rms over all K, from the whole row (BLOCK_H >= K)
+        cols = tl.arange(0, BLOCK_H)
+        col_ok = cols < K
+        for m in tl.static_range(BLOCK_M):
+            # rows past M (BLOCK_M is a power of two) re-read the last row; never stored
+            row = tl.minimum(m, M - 1)
+            s = tl.load(x_ptr + row * stride_xm + cols, mask=col_ok, other=0.0)
+            if HAS_RESIDUAL:
+                r = tl.load(res_ptr + row * stride_rm + cols, mask=col_ok, other=0.0)
+                s = (s.to(tl.float32) + r.to(tl.float32)).to(dtype)
+                if pid == 0:
+                    tl.store(sum_ptr + row * K + cols, s, mask=col_ok)
+            sf = s.to(tl.float32)
+            inv = tl.math.rsqrt(tl.sum(sf * sf, axis=0) / K + eps)
+            rstd = tl.where(offs_m == m, inv, rstd)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_ok = offs_k < K
         w = tl.load(w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :],
                     mask=n_ok[:, None] & k_ok[None, :], other=0.0)  # [BLOCK_N, BLOCK_K]
+        if PROLOGUE == RMS_NORM:
+            nw = tl.load(nw_ptr + offs_k, mask=k_ok, other=0.0).to(tl.float32)
         for m in tl.static_range(BLOCK_M):
-            # rows past M (BLOCK_M is a power of two) re-read the last row; never stored
             row = tl.minimum(m, M - 1)
             x = tl.load(x_ptr + row * stride_xm + offs_k, mask=k_ok, other=0.0)
+            if PROLOGUE == RMS_NORM:
+                if HAS_RESIDUAL:
+                    r = tl.load(res_ptr + row * stride_rm + offs_k, mask=k_ok, other=0.0)
+                    x = (x.to(tl.float32) + r.to(tl.float32)).to(dtype)
+                inv = tl.sum(tl.where(offs_m == m, rstd, 0.0), axis=0)
+                x = (nw * (x.to(tl.float32) * inv).to(dtype).to(tl.float32)).to(dtype)
+            if PROLOGUE == SILU_MUL:
+                # gate in the first K columns, up in the next K; silu rounded as F.silu
+                up = tl.load(x_ptr + row * stride_xm + K + offs_k, mask=k_ok, other=0.0)
+                g = x.to(tl.float32)
+                act = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
+                x = (act * up.to(tl.float32)).to(dtype)
             part = tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)  # [BLOCK_N]
             acc += tl.where(offs_m[:, None] == m, part[None, :], 0.0)
     if HAS_BIAS:
@@ -49,41 +101,103 @@ def _skinny_gemm_kernel(
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
+def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, k: int,
+           op: str) -> None:
+    """x [M, *] with M <= MAX_ROWS, weight [N, k], both contiguous in their last dimension."""
+    check_float("x", x, op)
+    check_float("weight", weight, op)
+    check_same_device("weight", weight, x, "x")
+    if x.dim() != 2 or weight.dim() != 2 or weight.shape[1] != k:
+        raise ValueError(f"{op} needs x [M, {k}] and weight [N, {k}], got "
+                         f"{tuple(x.shape)} and {tuple(weight.shape)}")
+    if x.shape[0] > MAX_ROWS:
+        raise ValueError(f"{op} takes at most {MAX_ROWS} rows, got {x.shape[0]}")
+    if x.stride(1) != 1 or weight.stride(1) != 1:
+        raise ValueError(f"{op} needs x and weight contiguous in their last dimension")
+    n = weight.shape[0]
+    if bias is not None and (bias.shape != (n,) or bias.stride(0) != 1):
+        raise ValueError(f"bias must be a contiguous [{n}], got {tuple(bias.shape)}")
+
+
 def skinny_gemm(x: torch.Tensor, weight: torch.Tensor,
                 bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` for x [M, K] with M <= MAX_ROWS; weight [N, K]
     contiguous. Returns a new [M, N] tensor of x's dtype."""
-    check_float("x", x, "skinny_gemm")
-    check_float("weight", weight, "skinny_gemm")
-    check_same_device("weight", weight, x, "x")
-    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
-        raise ValueError(f"skinny_gemm needs x [M, K] and weight [N, K], got "
-                         f"{tuple(x.shape)} and {tuple(weight.shape)}")
-    m, k = x.shape
-    n = weight.shape[0]
-    if m > MAX_ROWS:
-        raise ValueError(f"skinny_gemm takes at most {MAX_ROWS} rows, got {m}")
-    if x.stride(1) != 1 or weight.stride(1) != 1:
-        raise ValueError("skinny_gemm needs x and weight contiguous in their last dimension")
-    if bias is not None and (bias.shape != (n,) or bias.stride(0) != 1):
-        raise ValueError(f"bias must be a contiguous [{n}], got {tuple(bias.shape)}")
-    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    if m == 0 or n == 0:
-        return out
-    # The best launch of the sweep (benchmarks/skinny_gemm_sweep.py) for every decode
-    # GEMM of the benchmark configs, within a few percent.
-    _launch(x, weight, bias, out, block_n=8, block_k=512, num_warps=4, num_stages=3)
+    _check(x, weight, bias, x.shape[-1] if x.dim() == 2 else -1, "skinny_gemm")
+    out = torch.empty((x.shape[0], weight.shape[0]), dtype=x.dtype, device=x.device)
+    _launch(x, None, None, None, weight, bias, out, PLAIN, 0.0)
     return out
 
 
-def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-            out: torch.Tensor, block_n: int, block_k: int, num_warps: int,
-            num_stages: int) -> None:
-    m, k = x.shape
-    n = weight.shape[0]
+def rms_norm_gemm(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
+                  eps: float, weight: torch.Tensor, bias: torch.Tensor | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(F.linear(rms_norm(s), weight, bias), s)`` for ``s = x + residual`` (rounded to x's
+    dtype), or ``s = x`` without a residual. x, residual: [M, K], M <= MAX_ROWS;
+    norm_weight: [K] of x's dtype. The sum is a new tensor (x itself without a residual)."""
+    k = x.shape[-1] if x.dim() == 2 else -1
+    _check(x, weight, bias, k, "rms_norm_gemm")
+    if norm_weight.shape != (k,) or norm_weight.stride(0) != 1 or norm_weight.dtype != x.dtype:
+        raise ValueError(f"norm_weight must be a contiguous [{k}] of {x.dtype}, got "
+                         f"{norm_weight.dtype} {tuple(norm_weight.shape)}")
+    check_same_device("norm_weight", norm_weight, x, "x")
+    if residual is not None:
+        if residual.shape != x.shape or residual.dtype != x.dtype or residual.stride(1) != 1:
+            raise ValueError(f"residual must match x ({x.dtype} {tuple(x.shape)}) and be "
+                             f"contiguous in its last dimension, got {residual.dtype} "
+                             f"{tuple(residual.shape)}")
+        check_same_device("residual", residual, x, "x")
+    total = x if residual is None else torch.empty((x.shape[0], k), dtype=x.dtype,
+                                                   device=x.device)
+    out = torch.empty((x.shape[0], weight.shape[0]), dtype=x.dtype, device=x.device)
+    _launch(x, residual, norm_weight, total, weight, bias, out, RMS_NORM, eps)
+    return out, total
+
+
+def silu_mul_gemm(x: torch.Tensor, weight: torch.Tensor,
+                  bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(silu(x[:, :K]) * x[:, K:], weight, bias)`` for x [M, 2K] (gate then up),
+    M <= MAX_ROWS, and weight [N, K]."""
+    if x.dim() != 2 or x.shape[1] % 2:
+        raise ValueError(f"silu_mul_gemm needs x [M, 2 * K], got {tuple(x.shape)}")
+    _check(x, weight, bias, x.shape[1] // 2, "silu_mul_gemm")
+    out = torch.empty((x.shape[0], weight.shape[0]), dtype=x.dtype, device=x.device)
+    _launch(x, None, None, None, weight, bias, out, SILU_MUL, 0.0)
+    return out
+
+
+def _launch(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor | None,
+            total: torch.Tensor | None, weight: torch.Tensor, bias: torch.Tensor | None,
+            out: torch.Tensor, prologue: int, eps: float, block_n: int = 8,
+            block_k: int = 512, num_warps: int = 4, num_stages: int = 3) -> None:
+    # The default launch is the best of the sweep (benchmarks/skinny_gemm_sweep.py) for
+    # every decode GEMM of the benchmark configs, within a few percent.
+    m = x.shape[0]
+    n, k = weight.shape
+    if m == 0 or n == 0:
+        return
     _skinny_gemm_kernel[(triton.cdiv(n, block_n),)](
-        x, weight, bias if bias is not None else weight, out, m, n, k,
-        x.stride(0), weight.stride(0), out.stride(0),
-        HAS_BIAS=bias is not None, BLOCK_M=max(1, triton.next_power_of_2(m)),
-        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages,
+        x, residual if residual is not None else x,
+        norm_weight if norm_weight is not None else weight,
+        total if total is not None else out, weight, bias if bias is not None else weight,
+        out, m, n, k, x.stride(0), residual.stride(0) if residual is not None else 0,
+        weight.stride(0), out.stride(0), eps,
+        PROLOGUE=prologue, HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None,
+        BLOCK_M=max(1, triton.next_power_of_2(m)), BLOCK_N=block_n, BLOCK_K=block_k,
+        BLOCK_H=triton.next_power_of_2(k) if prologue == RMS_NORM else 1,
+        num_warps=num_warps, num_stages=num_stages,
     )
+
+
+def rms_norm_gemm_ref(x: torch.Tensor, residual: torch.Tensor | None,
+                      norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
+                      bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """PyTorch reference for ``rms_norm_gemm``: the RMSNorm layer's math, then the linear."""
+    total = x if residual is None else x + residual
+    return F.linear(rms_norm_torch(total, norm_weight, eps), weight, bias), total
+
+
+def silu_mul_gemm_ref(x: torch.Tensor, weight: torch.Tensor,
+                      bias: torch.Tensor | None = None) -> torch.Tensor:
+    """PyTorch reference for ``silu_mul_gemm``: SiluAndMul's math, then the linear."""
+    return F.linear(silu_and_mul_torch(x), weight, bias)
