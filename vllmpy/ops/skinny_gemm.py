@@ -43,7 +43,8 @@ PLAIN, RMS_NORM, SILU_MUL = 0, 1, 2
 def _skinny_gemm_kernel(
     x_ptr, res_ptr, nw_ptr, sum_ptr, w_ptr, b_ptr, out_ptr, M, N, K,
     stride_xm, stride_rm, stride_wn, stride_om, eps,
-    PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr,
+    NORM: tl.constexpr, SILU: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     BLOCK_H: tl.constexpr,
 ):
@@ -54,7 +55,7 @@ def _skinny_gemm_kernel(
     n_ok = offs_n < N
     m_ok = offs_m < M
     rstd = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    if PROLOGUE == RMS_NORM:
+    if NORM:
         # each row's 1 / rms over all K, from the whole row (BLOCK_H >= K)
         cols = tl.arange(0, BLOCK_H)
         col_ok = cols < K
@@ -76,18 +77,18 @@ def _skinny_gemm_kernel(
         k_ok = offs_k < K
         w = tl.load(w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :],
                     mask=n_ok[:, None] & k_ok[None, :], other=0.0)  # [BLOCK_N, BLOCK_K]
-        if PROLOGUE == RMS_NORM:
+        if NORM:
             nw = tl.load(nw_ptr + offs_k, mask=k_ok, other=0.0).to(tl.float32)
         for m in tl.static_range(BLOCK_M):
             row = tl.minimum(m, M - 1)
             x = tl.load(x_ptr + row * stride_xm + offs_k, mask=k_ok, other=0.0)
-            if PROLOGUE == RMS_NORM:
+            if NORM:
                 if HAS_RESIDUAL:
                     r = tl.load(res_ptr + row * stride_rm + offs_k, mask=k_ok, other=0.0)
                     x = (x.to(tl.float32) + r.to(tl.float32)).to(dtype)
                 inv = tl.sum(tl.where(offs_m == m, rstd, 0.0), axis=0)
                 x = (nw * (x.to(tl.float32) * inv).to(dtype).to(tl.float32)).to(dtype)
-            if PROLOGUE == SILU_MUL:
+            if SILU:
                 # gate in the first K columns, up in the next K; silu rounded as F.silu
                 up = tl.load(x_ptr + row * stride_xm + K + offs_k, mask=k_ok, other=0.0)
                 g = x.to(tl.float32)
@@ -182,7 +183,7 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.T
         total if total is not None else out, weight, bias if bias is not None else weight,
         out, m, n, k, x.stride(0), residual.stride(0) if residual is not None else 0,
         weight.stride(0), out.stride(0), eps,
-        PROLOGUE=prologue, HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None,
+        NORM=prologue == RMS_NORM, SILU=prologue == SILU_MUL, HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None,
         BLOCK_M=max(1, triton.next_power_of_2(m)), BLOCK_N=block_n, BLOCK_K=block_k,
         BLOCK_H=triton.next_power_of_2(k) if prologue == RMS_NORM else 1,
         num_warps=num_warps, num_stages=num_stages,
