@@ -56,21 +56,23 @@ def _skinny_gemm_kernel(
     m_ok = offs_m < M
     rstd = tl.zeros((BLOCK_M,), dtype=tl.float32)
     if NORM:
-        # each row's 1 / rms over all K, from the whole row (BLOCK_H >= K)
+        # each row's 1 / rms over all K, from the whole row (BLOCK_H >= K); the names here
+        # are not reused in the loop below, whose tiles have another shape
         cols = tl.arange(0, BLOCK_H)
         col_ok = cols < K
-        for m in tl.static_range(BLOCK_M):
+        for mm in tl.static_range(BLOCK_M):
             # rows past M (BLOCK_M is a power of two) re-read the last row; never stored
-            row = tl.minimum(m, M - 1)
-            s = tl.load(x_ptr + row * stride_xm + cols, mask=col_ok, other=0.0)
+            whole_row = tl.minimum(mm, M - 1)
+            whole = tl.load(x_ptr + whole_row * stride_xm + cols, mask=col_ok, other=0.0)
             if HAS_RESIDUAL:
-                r = tl.load(res_ptr + row * stride_rm + cols, mask=col_ok, other=0.0)
-                s = (s.to(tl.float32) + r.to(tl.float32)).to(dtype)
+                whole_res = tl.load(res_ptr + whole_row * stride_rm + cols, mask=col_ok,
+                                    other=0.0)
+                whole = (whole.to(tl.float32) + whole_res.to(tl.float32)).to(dtype)
                 if pid == 0:
-                    tl.store(sum_ptr + row * K + cols, s, mask=col_ok)
-            sf = s.to(tl.float32)
-            inv = tl.math.rsqrt(tl.sum(sf * sf, axis=0) / K + eps)
-            rstd = tl.where(offs_m == m, inv, rstd)
+                    tl.store(sum_ptr + whole_row * K + cols, whole, mask=col_ok)
+            whole_f = whole.to(tl.float32)
+            row_inv = tl.math.rsqrt(tl.sum(whole_f * whole_f, axis=0) / K + eps)
+            rstd = tl.where(offs_m == mm, row_inv, rstd)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
