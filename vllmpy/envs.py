@@ -54,6 +54,9 @@ _VARIABLES: dict[str, Callable[[], Any]] = {
     # vllm-bench offline mode: "0" times text prompts (tokenization inside the timed
     # region); anything else (default) tokenizes every prompt before timing.
     "VT_BENCH_PRETOKENIZE": lambda: os.environ.get("VT_BENCH_PRETOKENIZE", "1").strip() != "0",
+    # "0" turns off programmatic dependent launch of the decoder's Triton kernels on
+    # Hopper and newer GPUs (see vllmpy.ops.pdl); read once, at the first launch.
+    "VT_TRITON_PDL": lambda: os.environ.get("VT_TRITON_PDL", "1").strip() != "0",
 }
 
 

@@ -24,6 +24,7 @@ from vllmpy.layers.activation import silu_and_mul_torch
 from vllmpy.layers.norm import rms_norm_torch
 from vllmpy.layers.rotary import rotary_torch
 from vllmpy.ops.checks import check_float, check_same_device
+from vllmpy.ops.pdl import pdl_args, pdl_wait
 
 SILU_BLOCK = 1024  # output columns per SiLU-and-mul program
 
@@ -34,8 +35,9 @@ SILU_BLOCK = 1024  # output columns per SiLU-and-mul program
 def _rms_norm_kernel(
     x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr,
     inner, stride_x_outer, stride_x_inner, stride_r_outer, stride_r_inner, hidden, eps,
-    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl_wait(PDL)
     # Row `row` of the flattened [outer * inner, hidden] view sits at (row // inner,
     # row % inner), so a [tokens, heads, head_dim] slice of a wider tensor needs no copy.
     row = tl.program_id(0).to(tl.int64)
@@ -110,7 +112,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
             x3, r3, weight, out, out if total is None else total,
             inner, sxo, sxi, sro, sri, hidden, eps,
             HAS_RESIDUAL=total is not None, BLOCK=block,
-            num_warps=max(1, min(8, block // 256)),
+            num_warps=max(1, min(8, block // 256)), **pdl_args(x.device),
         )
     return out if total is None else (out, total)
 
@@ -260,8 +262,9 @@ def _qk_norm_rotary_kernel(
     stride_q, stride_k, stride_v, stride_cache, num_q_heads, num_k_heads, eps,
     stride_c_kv, stride_c_blk, stride_c_slot, stride_c_head,
     HEAD_DIM: tl.constexpr, HALF_PAD: tl.constexpr, HEADS_PAD: tl.constexpr,
-    STORE_KV: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    STORE_KV: tl.constexpr, BLOCK_SIZE: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl_wait(PDL)
     tok = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + tok).to(tl.int64)
     dims = tl.arange(0, HALF_PAD)
@@ -336,7 +339,7 @@ def qk_norm_rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
         cos_sin_cache.stride(0), num_q_heads, num_k_heads, eps, *strides,
         HEAD_DIM=head_dim, HALF_PAD=half_pad, HEADS_PAD=heads_pad, STORE_KV=store,
         BLOCK_SIZE=kv_cache.shape[2] if store else 1,  # type: ignore[union-attr]
-        num_warps=max(1, min(8, heads_pad * half_pad // 256)),
+        num_warps=max(1, min(8, heads_pad * half_pad // 256)), **pdl_args(q.device),
     )
     return q_out, k_out
 

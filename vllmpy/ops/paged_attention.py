@@ -48,6 +48,7 @@ import triton
 import triton.language as tl
 
 from vllmpy.ops.checks import check_float, check_same_device
+from vllmpy.ops.pdl import pdl_args, pdl_wait
 
 MAX_HEAD_DIM = 256
 FP8_KV_DTYPE = torch.float8_e4m3fn
@@ -165,8 +166,9 @@ def _paged_attention_kernel(
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
     BLOCK_M: tl.constexpr, TILE_N: tl.constexpr, DIM_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    QUANT: tl.constexpr,
+    QUANT: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl_wait(PDL)
     q_block = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -265,8 +267,9 @@ def _paged_attention_kernel(
 def _merge_splits_kernel(
     part_acc_ptr, part_ml_ptr, out_ptr, query_start_ptr,
     num_seqs, num_splits, num_heads, head_dim, stride_o_tok, stride_o_head,
-    SPLITS_PAD: tl.constexpr, DIM_PAD: tl.constexpr,
+    SPLITS_PAD: tl.constexpr, DIM_PAD: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl_wait(PDL)
     tok = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     if tok >= tl.load(query_start_ptr + num_seqs):  # a padding row past the last request
@@ -393,13 +396,14 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor,
         GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, BLOCK_M=cfg.block_m,
         TILE_N=cfg.tile_n, DIM_PAD=dim_pad, BLOCK_SIZE=block_size, SPLIT=num_splits > 1,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", QUANT=quant,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(q.device),
     )
     if num_splits > 1:
         _merge_splits_kernel[(num_tokens, num_heads)](
             part_acc, part_ml, out, query_start_loc,
             num_seqs, num_splits, num_heads, head_dim, out.stride(0), out.stride(1),
             SPLITS_PAD=triton.next_power_of_2(num_splits), DIM_PAD=dim_pad, num_warps=4,
+            **pdl_args(q.device),
         )
     return out
 

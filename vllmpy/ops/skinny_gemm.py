@@ -30,6 +30,7 @@ import triton.language as tl
 from vllmpy.layers.activation import silu_and_mul_torch
 from vllmpy.layers.norm import rms_norm_torch
 from vllmpy.ops.checks import check_float, check_same_device
+from vllmpy.ops.pdl import pdl_args, pdl_wait
 
 # The kernel takes up to this many rows. Measured on the H200 it beats cuBLAS for one row
 # only (docs/BENCHMARKS.md), which is where the linear layers use it.
@@ -40,13 +41,41 @@ PLAIN, RMS_NORM, SILU_MUL = 0, 1, 2
 
 
 @triton.jit
+def _accumulate(acc, w, offs_k, k_ok, x_ptr, res_ptr, nw_ptr, rstd, offs_m, M, K,
+                stride_xm, stride_rm, NORM: tl.constexpr, SILU: tl.constexpr,
+                HAS_RESIDUAL: tl.constexpr, BLOCK_M: tl.constexpr):
+    # acc [BLOCK_M, BLOCK_N] += (the activation chunk at offs_k, prologue applied) @ w.T
+    dtype = x_ptr.dtype.element_ty
+    if NORM:
+        nw = tl.load(nw_ptr + offs_k, mask=k_ok, other=0.0).to(tl.float32)
+    for m in tl.static_range(BLOCK_M):
+        # rows past M (BLOCK_M is a power of two) re-read the last row; never stored
+        row = tl.minimum(m, M - 1)
+        x = tl.load(x_ptr + row * stride_xm + offs_k, mask=k_ok, other=0.0)
+        if NORM:
+            if HAS_RESIDUAL:
+                r = tl.load(res_ptr + row * stride_rm + offs_k, mask=k_ok, other=0.0)
+                x = (x.to(tl.float32) + r.to(tl.float32)).to(dtype)
+            inv = tl.sum(tl.where(offs_m == m, rstd, 0.0), axis=0)
+            x = (nw * (x.to(tl.float32) * inv).to(dtype).to(tl.float32)).to(dtype)
+        if SILU:
+            # gate in the first K columns, up in the next K; silu rounded as F.silu
+            up = tl.load(x_ptr + row * stride_xm + K + offs_k, mask=k_ok, other=0.0)
+            g = x.to(tl.float32)
+            act = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
+            x = (act * up.to(tl.float32)).to(dtype)
+        part = tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)  # [BLOCK_N]
+        acc += tl.where(offs_m[:, None] == m, part[None, :], 0.0)
+    return acc
+
+
+@triton.jit
 def _skinny_gemm_kernel(
     x_ptr, res_ptr, nw_ptr, sum_ptr, w_ptr, b_ptr, out_ptr, M, N, K,
     stride_xm, stride_rm, stride_wn, stride_om, eps,
     NORM: tl.constexpr, SILU: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    BLOCK_H: tl.constexpr,
+    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr,
 ):
     pid = tl.program_id(0)
     dtype = x_ptr.dtype.element_ty
@@ -54,14 +83,20 @@ def _skinny_gemm_kernel(
     offs_m = tl.arange(0, BLOCK_M)
     n_ok = offs_n < N
     m_ok = offs_m < M
+    w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn
+    # No kernel writes the weights: the first tile loads before waiting for the previous
+    # kernel (see vllmpy.ops.pdl), overlapping its tail.
+    offs_k = tl.arange(0, BLOCK_K)
+    k_ok = offs_k < K
+    w = tl.load(w_rows + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+    pdl_wait(PDL)
     rstd = tl.zeros((BLOCK_M,), dtype=tl.float32)
     if NORM:
         # each row's 1 / rms over all K, from the whole row (BLOCK_H >= K); the names here
-        # are not reused in the loop below, whose tiles have another shape
+        # are not reused below, where the tiles have another shape
         cols = tl.arange(0, BLOCK_H)
         col_ok = cols < K
         for mm in tl.static_range(BLOCK_M):
-            # rows past M (BLOCK_M is a power of two) re-read the last row; never stored
             whole_row = tl.minimum(mm, M - 1)
             whole = tl.load(x_ptr + whole_row * stride_xm + cols, mask=col_ok, other=0.0)
             if HAS_RESIDUAL:
@@ -74,30 +109,14 @@ def _skinny_gemm_kernel(
             row_inv = tl.math.rsqrt(tl.sum(whole_f * whole_f, axis=0) / K + eps)
             rstd = tl.where(offs_m == mm, row_inv, rstd)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    acc = _accumulate(acc, w, offs_k, k_ok, x_ptr, res_ptr, nw_ptr, rstd, offs_m, M, K,
+                      stride_xm, stride_rm, NORM, SILU, HAS_RESIDUAL, BLOCK_M)
+    for k0 in range(BLOCK_K, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_ok = offs_k < K
-        w = tl.load(w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :],
-                    mask=n_ok[:, None] & k_ok[None, :], other=0.0)  # [BLOCK_N, BLOCK_K]
-        if NORM:
-            nw = tl.load(nw_ptr + offs_k, mask=k_ok, other=0.0).to(tl.float32)
-        for m in tl.static_range(BLOCK_M):
-            row = tl.minimum(m, M - 1)
-            x = tl.load(x_ptr + row * stride_xm + offs_k, mask=k_ok, other=0.0)
-            if NORM:
-                if HAS_RESIDUAL:
-                    r = tl.load(res_ptr + row * stride_rm + offs_k, mask=k_ok, other=0.0)
-                    x = (x.to(tl.float32) + r.to(tl.float32)).to(dtype)
-                inv = tl.sum(tl.where(offs_m == m, rstd, 0.0), axis=0)
-                x = (nw * (x.to(tl.float32) * inv).to(dtype).to(tl.float32)).to(dtype)
-            if SILU:
-                # gate in the first K columns, up in the next K; silu rounded as F.silu
-                up = tl.load(x_ptr + row * stride_xm + K + offs_k, mask=k_ok, other=0.0)
-                g = x.to(tl.float32)
-                act = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
-                x = (act * up.to(tl.float32)).to(dtype)
-            part = tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)  # [BLOCK_N]
-            acc += tl.where(offs_m[:, None] == m, part[None, :], 0.0)
+        w = tl.load(w_rows + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        acc = _accumulate(acc, w, offs_k, k_ok, x_ptr, res_ptr, nw_ptr, rstd, offs_m, M, K,
+                          stride_xm, stride_rm, NORM, SILU, HAS_RESIDUAL, BLOCK_M)
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     out = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
@@ -172,9 +191,16 @@ def silu_mul_gemm(x: torch.Tensor, weight: torch.Tensor,
 def _launch(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor | None,
             total: torch.Tensor | None, weight: torch.Tensor, bias: torch.Tensor | None,
             out: torch.Tensor, prologue: int, eps: float, block_n: int = 8,
-            block_k: int = 512, num_warps: int = 4, num_stages: int = 3) -> None:
-    # The default launch is the best of the sweep (benchmarks/skinny_gemm_sweep.py) for
-    # every decode GEMM of the benchmark configs, within a few percent.
+            block_k: int | None = None, num_warps: int | None = None,
+            num_stages: int = 3) -> None:
+    # The default launches are the best of the sweeps (benchmarks/skinny_gemm_sweep.py):
+    # 512-wide chunks on 4 warps for every decode GEMM of the benchmark configs, within a
+    # few percent, except the down projections (SiLU prologue, long K), which stream
+    # best in 1024-wide chunks on 8 warps (27.2 against 30.7 us for Qwen3-8B's).
+    if block_k is None:
+        block_k = 1024 if prologue == SILU_MUL else 512
+    if num_warps is None:
+        num_warps = 8 if prologue == SILU_MUL else 4
     m = x.shape[0]
     n, k = weight.shape
     if m == 0 or n == 0:
@@ -188,7 +214,7 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.T
         NORM=prologue == RMS_NORM, SILU=prologue == SILU_MUL, HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None,
         BLOCK_M=max(1, triton.next_power_of_2(m)), BLOCK_N=block_n, BLOCK_K=block_k,
         BLOCK_H=triton.next_power_of_2(k) if prologue == RMS_NORM else 1,
-        num_warps=num_warps, num_stages=num_stages,
+        num_warps=num_warps, num_stages=num_stages, **pdl_args(x.device),
     )
 
 
