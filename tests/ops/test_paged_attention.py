@@ -398,16 +398,3 @@ def test_fp8_launchers_refuse_bad_scales_and_caches_by_name():
         reshape_and_cache(k, k, batch["kv_cache"], slots, v_scale=float("nan"))
     with pytest.raises(ValueError, match="kv_cache has dtype torch.int8"):
         reshape_and_cache(k, k, batch["kv_cache"].view(torch.int8), slots)
-
-
-def test_in_launch_merge_resets_its_counters_and_matches_the_merge_kernel(monkeypatch):
-    import vllmpy.ops.paged_attention as pa
-
-    batch = make_batch(MIXED, 4, 2, 64, 16, torch.float32, seed=2)
-    out, ref = run_both(batch, MIXED, num_splits=3)
-    counters = pa._counters[DEVICE]
-    assert int(counters.count_nonzero()) == 0  # the last split of each block reset its own
-    monkeypatch.setattr(pa, "MERGE_COUNTERS", 0)  # too few: the separate merge kernel
-    fallback, _ = run_both(batch, MIXED, num_splits=3)
-    torch.testing.assert_close(out, fallback, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)

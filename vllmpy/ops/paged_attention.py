@@ -23,11 +23,7 @@ depends on no device value; a program finds its request by binary search over
 Split-KV (flash-decoding). When the batch gives too few programs to fill the GPU (a few
 long decodes), each query block's key range is cut into ``num_splits`` equal runs of
 tiles, each program writes an unnormalised partial result (accumulator, running max and
-sum), and the partials are merged. ``choose_num_splits`` picks the count. On a GPU the
-merge runs in the same launch: each program counts itself done on its query block's
-counter (an atomic add, acquire-release), and the last of the block's splits merges them
-and sets the counter back to zero for the next launch. The separate merge kernel remains
-the way on the CPU's interpreter, which runs programs one after another.
+sum), and a second kernel merges the partials. ``choose_num_splits`` picks the count.
 
 Every size the kernels need is either a device tensor or a launcher argument the caller
 knows on the host (``max_query_len``, ``max_seq_len``), so the launches can be captured
@@ -162,7 +158,7 @@ def reshape_and_cache_ref(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tens
 # compile new variants in the middle of serving.
 @triton.jit(do_not_specialize=["num_seqs", "num_splits", "stride_bt"])
 def _paged_attention_kernel(
-    q_ptr, cache_ptr, out_ptr, part_acc_ptr, part_ml_ptr, counter_ptr,
+    q_ptr, cache_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
     query_start_ptr, seq_lens_ptr, block_table_ptr,
     scale_log2, k_scale, v_scale, num_seqs, num_splits, num_heads, head_dim,
     stride_q_tok, stride_q_head, stride_o_tok, stride_o_head,
@@ -170,8 +166,7 @@ def _paged_attention_kernel(
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
     BLOCK_M: tl.constexpr, TILE_N: tl.constexpr, DIM_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    QUANT: tl.constexpr, FUSED_MERGE: tl.constexpr, SPLITS_PAD: tl.constexpr,
-    PDL: tl.constexpr,
+    QUANT: tl.constexpr, PDL: tl.constexpr,
 ):
     pdl_wait(PDL)
     q_block = tl.program_id(0)
@@ -261,47 +256,11 @@ def _paged_attention_kernel(
                  mask=row_ok[:, None])
         tl.store(part_ml_ptr + part * 2, m_i, mask=row_ok)
         tl.store(part_ml_ptr + part * 2 + 1, l_i, mask=row_ok)
-        if FUSED_MERGE:
-            tl.debug_barrier()  # every thread's partials are stored before the count
-            counter = counter_ptr + q_block * tl.num_programs(1) + kv_head
-            if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == num_splits - 1:
-                tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
-                _merge_rows(part_acc_ptr, part_ml_ptr, out_ptr, row_tok, row_head, row_ok,
-                            dims, dim_ok, num_splits, num_heads, stride_o_tok,
-                            stride_o_head, SPLITS_PAD, DIM_PAD)
     else:
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         tl.store(out_ptr + row_tok[:, None] * stride_o_tok + row_head[:, None] * stride_o_head
                  + dims[None, :], out.to(out_ptr.dtype.element_ty),
                  mask=row_ok[:, None] & dim_ok[None, :])
-
-
-@triton.jit
-def _merge_rows(part_acc_ptr, part_ml_ptr, out_ptr, row_tok, row_head, row_ok, dims, dim_ok,
-                num_splits, num_heads, stride_o_tok, stride_o_head,
-                SPLITS_PAD: tl.constexpr, DIM_PAD: tl.constexpr):
-    # The merge of _merge_splits_kernel for a program's rows, by the program that finished
-    # last; the partials are read from L2 (.cg), where the other programs' stores are.
-    splits = tl.arange(0, SPLITS_PAD)
-    first = (row_tok * num_heads + row_head) * num_splits  # [BLOCK_M] partial of split 0
-    ok = row_ok[:, None] & (splits[None, :] < num_splits)  # [BLOCK_M, SPLITS_PAD]
-    ml = part_ml_ptr + (first[:, None] + splits[None, :]) * 2
-    m = tl.load(ml, mask=ok, other=float("-inf"), cache_modifier=".cg")
-    sums = tl.load(ml + 1, mask=ok, other=0.0, cache_modifier=".cg")
-    m_max = tl.max(m, 1)
-    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
-    w = tl.exp2(m - m_max[:, None])  # an empty split has m = -inf, so weight 0
-    denom = tl.sum(sums * w, 1)  # [BLOCK_M]
-    acc = tl.zeros([first.shape[0], DIM_PAD], tl.float32)
-    for split in range(num_splits):
-        w_split = tl.sum(tl.where(splits[None, :] == split, w, 0.0), 1)  # [BLOCK_M]
-        part = tl.load(part_acc_ptr + (first + split)[:, None] * DIM_PAD + dims[None, :],
-                       mask=row_ok[:, None], other=0.0, cache_modifier=".cg")
-        acc += part * w_split[:, None]
-    out = acc / tl.where(denom == 0.0, 1.0, denom)[:, None]
-    tl.store(out_ptr + row_tok[:, None] * stride_o_tok + row_head[:, None] * stride_o_head
-             + dims[None, :], out.to(out_ptr.dtype.element_ty),
-             mask=row_ok[:, None] & dim_ok[None, :])
 
 
 @triton.jit(do_not_specialize=["num_seqs", "num_splits"])
@@ -357,30 +316,6 @@ def default_config(max_query_len: int, num_heads: int, num_kv_heads: int,
                                      num_warps=4, num_stages=3)
     return AttentionKernelConfig(block_m=max(64, group_pad), tile_n=64 if dim_pad <= 128 else 32,
                                  num_warps=4 if dim_pad <= 128 else 8, num_stages=2)
-
-
-# int32 counters of the in-launch split merge, per device: zero between launches (the
-# last program of each query block sets its counter back). Allocated once, at the first
-# split launch (the model runner's warm-up, before any CUDA graph capture), so replays
-# find them in place; a launch needing more falls back to the merge kernel.
-MERGE_COUNTERS = 1 << 20
-_counters: dict[torch.device, torch.Tensor] = {}
-
-
-def reserve_merge_counters(device: torch.device) -> None:
-    """Allocate the device's merge counters now (before capturing CUDA graphs)."""
-    if device not in _counters:
-        _counters[device] = torch.zeros(MERGE_COUNTERS, dtype=torch.int32, device=device)
-
-
-def _merge_counters(device: torch.device, needed: int) -> torch.Tensor | None:
-    if needed > MERGE_COUNTERS:
-        return None
-    if device not in _counters:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None  # allocating here would put the counters in the graph's pool
-        reserve_merge_counters(device)
-    return _counters[device]
 
 
 @functools.lru_cache(maxsize=8)
@@ -450,9 +385,8 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor,
                               dtype=torch.float32, device=q.device)
     else:
         part_acc = part_ml = out  # unused
-    counters = _merge_counters(q.device, num_q_blocks * num_kv_heads) if num_splits > 1 else None
     _paged_attention_kernel[(num_q_blocks, num_kv_heads, num_splits)](
-        q, kv_cache, out, part_acc, part_ml, counters if counters is not None else seq_lens,
+        q, kv_cache, out, part_acc, part_ml,
         query_start_loc, seq_lens, block_tables,
         scale * math.log2(math.e), float(k_scale), float(v_scale),
         num_seqs, num_splits, num_heads, head_dim,
@@ -462,10 +396,9 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor,
         GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, BLOCK_M=cfg.block_m,
         TILE_N=cfg.tile_n, DIM_PAD=dim_pad, BLOCK_SIZE=block_size, SPLIT=num_splits > 1,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", QUANT=quant,
-        FUSED_MERGE=counters is not None, SPLITS_PAD=triton.next_power_of_2(num_splits),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(q.device),
     )
-    if num_splits > 1 and counters is None:
+    if num_splits > 1:
         _merge_splits_kernel[(num_tokens, num_heads)](
             part_acc, part_ml, out, query_start_loc,
             num_seqs, num_splits, num_heads, head_dim, out.stride(0), out.stride(1),

@@ -120,9 +120,6 @@ class StepGraphs:
     def capture(self) -> None:
         """Capture every graph, largest first, into one pool. The static buffers hold only
         padding while capturing, so nothing is written to the KV cache."""
-        from vllmpy.ops.paged_attention import reserve_merge_counters
-
-        reserve_merge_counters(self.input_ids.device)  # state the split-KV launches share
         pool = None
         for tokens in reversed(self.mixed_sizes):
             seqs = self._mixed_seqs(tokens)
