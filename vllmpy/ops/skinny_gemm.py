@@ -190,15 +190,19 @@ def silu_mul_gemm(x: torch.Tensor, weight: torch.Tensor,
 
 def _launch(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor | None,
             total: torch.Tensor | None, weight: torch.Tensor, bias: torch.Tensor | None,
-            out: torch.Tensor, prologue: int, eps: float, block_n: int = 8,
+            out: torch.Tensor, prologue: int, eps: float, block_n: int | None = None,
             block_k: int | None = None, num_warps: int | None = None,
             num_stages: int = 3) -> None:
-    # The default launches are the best of the sweeps (benchmarks/skinny_gemm_sweep.py):
-    # 512-wide chunks on 4 warps for every decode GEMM of the benchmark configs, within a
-    # few percent, except the down projections (SiLU prologue, long K), which stream
-    # best in 1024-wide chunks on 8 warps (27.2 against 30.7 us for Qwen3-8B's).
+    # The default launches are the best of benchmarks/skinny_gemm_sweep.py --fused (one
+    # row, weights cold in L2) on an H200: 8 weight rows in 512-wide chunks on 4 warps for
+    # the norm prologue (the qkv and gate_up projections); the down projections (SiLU
+    # prologue, long K) in 1024-wide chunks on 8 warps (25.3 against 29.9 us for
+    # Qwen3-8B's); a plain GEMM (o_proj) on 2 rows per program in 1024-wide chunks, which
+    # puts 4x the programs in flight (9.2 against 11.4 us for Qwen3-8B's).
+    if block_n is None:
+        block_n = 2 if prologue == PLAIN else 8
     if block_k is None:
-        block_k = 1024 if prologue == SILU_MUL else 512
+        block_k = 512 if prologue == RMS_NORM else 1024
     if num_warps is None:
         num_warps = 8 if prologue == SILU_MUL else 4
     m = x.shape[0]
