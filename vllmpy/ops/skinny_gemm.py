@@ -43,7 +43,7 @@ PLAIN, RMS_NORM, SILU_MUL = 0, 1, 2
 @triton.jit
 def _accumulate(acc, w, offs_k, k_ok, x_ptr, res_ptr, nw_ptr, rstd, offs_m, M, K,
                 stride_xm, stride_rm, NORM: tl.constexpr, SILU: tl.constexpr,
-                has_residual, BLOCK_M: tl.constexpr):
+                HAS_RESIDUAL: tl.constexpr, BLOCK_M: tl.constexpr):
     # acc [BLOCK_M, BLOCK_N] += (the activation chunk at offs_k, prologue applied) @ w.T
     dtype = x_ptr.dtype.element_ty
     if NORM:
@@ -53,7 +53,7 @@ def _accumulate(acc, w, offs_k, k_ok, x_ptr, res_ptr, nw_ptr, rstd, offs_m, M, K
         row = tl.minimum(m, M - 1)
         x = tl.load(x_ptr + row * stride_xm + offs_k, mask=k_ok, other=0.0)
         if NORM:
-            if has_residual:
+            if HAS_RESIDUAL:
                 r = tl.load(res_ptr + row * stride_rm + offs_k, mask=k_ok, other=0.0)
                 x = (x.to(tl.float32) + r.to(tl.float32)).to(dtype)
             inv = tl.sum(tl.where(offs_m == m, rstd, 0.0), axis=0)
@@ -69,13 +69,11 @@ def _accumulate(acc, w, offs_k, k_ok, x_ptr, res_ptr, nw_ptr, rstd, offs_m, M, K
     return acc
 
 
-# ``has_residual`` is a plain integer, not a constexpr, so that layer 0's norm (no residual
-# yet) and the others share one compiled variant: every variant costs start-up time.
-@triton.jit(do_not_specialize=["has_residual"])
+@triton.jit
 def _skinny_gemm_kernel(
     x_ptr, res_ptr, nw_ptr, sum_ptr, w_ptr, b_ptr, out_ptr, M, N, K,
     stride_xm, stride_rm, stride_wn, stride_om, eps,
-    has_residual, NORM: tl.constexpr, SILU: tl.constexpr,
+    NORM: tl.constexpr, SILU: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr,
 ):
@@ -101,7 +99,7 @@ def _skinny_gemm_kernel(
         for mm in tl.static_range(BLOCK_M):
             whole_row = tl.minimum(mm, M - 1)
             whole = tl.load(x_ptr + whole_row * stride_xm + cols, mask=col_ok, other=0.0)
-            if has_residual:
+            if HAS_RESIDUAL:
                 whole_res = tl.load(res_ptr + whole_row * stride_rm + cols, mask=col_ok,
                                     other=0.0)
                 whole = (whole.to(tl.float32) + whole_res.to(tl.float32)).to(dtype)
@@ -112,13 +110,13 @@ def _skinny_gemm_kernel(
             rstd = tl.where(offs_m == mm, row_inv, rstd)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc = _accumulate(acc, w, offs_k, k_ok, x_ptr, res_ptr, nw_ptr, rstd, offs_m, M, K,
-                      stride_xm, stride_rm, NORM, SILU, has_residual, BLOCK_M)
+                      stride_xm, stride_rm, NORM, SILU, HAS_RESIDUAL, BLOCK_M)
     for k0 in range(BLOCK_K, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_ok = offs_k < K
         w = tl.load(w_rows + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
         acc = _accumulate(acc, w, offs_k, k_ok, x_ptr, res_ptr, nw_ptr, rstd, offs_m, M, K,
-                          stride_xm, stride_rm, NORM, SILU, has_residual, BLOCK_M)
+                          stride_xm, stride_rm, NORM, SILU, HAS_RESIDUAL, BLOCK_M)
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     out = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
@@ -215,10 +213,9 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.T
         x, residual if residual is not None else x,
         norm_weight if norm_weight is not None else weight,
         total if total is not None else out, weight, bias if bias is not None else weight,
-        out, m, n, k, x.stride(0), (residual if residual is not None else x).stride(0),
+        out, m, n, k, x.stride(0), residual.stride(0) if residual is not None else 0,
         weight.stride(0), out.stride(0), eps,
-        int(residual is not None), NORM=prologue == RMS_NORM, SILU=prologue == SILU_MUL,
-        HAS_BIAS=bias is not None,
+        NORM=prologue == RMS_NORM, SILU=prologue == SILU_MUL, HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None,
         BLOCK_M=max(1, triton.next_power_of_2(m)), BLOCK_N=block_n, BLOCK_K=block_k,
         BLOCK_H=triton.next_power_of_2(k) if prologue == RMS_NORM else 1,
         num_warps=num_warps, num_stages=num_stages, **pdl_args(x.device),
