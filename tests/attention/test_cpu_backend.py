@@ -173,3 +173,21 @@ def test_small_decode_steps_run_on_one_thread_and_give_the_threads_back(monkeypa
     with pytest.raises(RuntimeError, match="boom"):
         run_both(decodes)
     assert calls == [1, 4]
+
+
+@pytest.mark.parametrize("backend", [CpuAttentionBackend, TorchReferenceBackend])
+@pytest.mark.parametrize("mix", ["one decode", "decodes, a chunk over context, a fresh prefill"])
+def test_kv_stored_skips_the_write_and_reads_what_the_caller_stored(backend, mix):
+    from vllmpy.attention.backend import write_kv_cache
+
+    q, k, v, cache, meta = make_step(MIXES[mix], 6, 2, 16, torch.float32, torch.float32)
+    n = meta.num_actual_tokens
+    stored = cache.clone()
+    write_kv_cache(k[:n], v[:n], stored, meta.slot_mapping[:n])  # as a fused kernel would
+    impl = backend(6, 2, 16, 0.25)
+    expected = impl.forward(q, k, v, cache.clone(), meta)
+    # the keys and values passed in are ignored: garbage in them must not reach the cache
+    before = stored.clone()
+    out = impl.forward(q, k.neg(), v.neg(), stored, meta, kv_stored=True)
+    assert torch.equal(stored, before)
+    torch.testing.assert_close(out[:n], expected[:n], atol=0, rtol=0)

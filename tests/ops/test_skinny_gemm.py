@@ -127,3 +127,34 @@ def test_fused_refusals() -> None:
         silu_mul_gemm(x, w)
     with pytest.raises(ValueError, match=f"at most {MAX_ROWS} rows"):
         silu_mul_gemm(torch.randn(MAX_ROWS + 1, 32), w)
+
+
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_layers_route_one_streamed_row_through_the_fused_kernels(monkeypatch, with_residual):
+    # the layer helpers pick the fused kernels for a streamed row (on the GPU: one CUDA
+    # row) and the separate layers otherwise; both ways give the same values
+    from vllmpy.layers.linear import Linear, PackedLinear, rms_norm_linear
+    from vllmpy.layers.mlp import GatedMLP
+    from vllmpy.layers.norm import RMSNorm
+
+    g = torch.Generator().manual_seed(5)
+    norm = RMSNorm(48, 1e-6)
+    norm.weight.data = torch.rand(48, generator=g) + 0.5
+    qkv = PackedLinear(48, {"q": 32, "k": 16, "v": 16}, bias=True)
+    qkv.weight.data = torch.randn(64, 48, generator=g)
+    qkv.bias.data = torch.randn(64, generator=g)
+    mlp = GatedMLP(48, 40)
+    mlp.gate_up_proj.weight.data = torch.randn(80, 48, generator=g)
+    mlp.down_proj.weight.data = torch.randn(48, 40, generator=g)
+    x = torch.randn(1, 48, generator=g)
+    res = torch.randn(1, 48, generator=g) if with_residual else None
+    out, total = rms_norm_linear(norm, qkv, x, res)
+    down = mlp(x)
+    calls = []
+    monkeypatch.setattr(Linear, "streams_one_row", lambda self, t: calls.append(1) or True)
+    fused_out, fused_total = rms_norm_linear(norm, qkv, x, res)
+    fused_down = mlp(x)
+    assert len(calls) >= 3  # the norm + qkv, the gate_up and the down projection asked
+    torch.testing.assert_close(fused_total, total, rtol=0, atol=0)
+    torch.testing.assert_close(fused_out, out, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(fused_down, down, rtol=1e-5, atol=1e-4)
