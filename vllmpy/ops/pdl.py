@@ -44,8 +44,9 @@ def pdl_wait(PDL: tl.constexpr):
 
 @functools.lru_cache(maxsize=8)
 def _supported(device: torch.device) -> bool:
-    if device.type != "cuda" or gdc_wait is None or not envs.VT_TRITON_PDL:
-        return False
+    if (device.type != "cuda" or torch.version.hip is not None or gdc_wait is None
+            or not envs.VT_TRITON_PDL):
+        return False  # PDL is an NVIDIA feature (a ROCm build reports "cuda" too)
     return torch.cuda.get_device_capability(device) >= (9, 0)
 
 
