@@ -60,9 +60,13 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
+    # the attention module; a model with Llama's layer around another attention (Qwen3)
+    # sets its own
+    attention_cls: type[nn.Module] = LlamaAttention
+
     def __init__(self, config: TextModelConfig) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config)
+        self.self_attn = self.attention_cls(config)
         self.mlp = GatedMLP(config.hidden_size, config.intermediate_size)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)

@@ -14,12 +14,11 @@ from vllmpy.layers.attention import Attention, KVScaleLoader
 from vllmpy.layers.linear import (
     Linear,
     PackedLinear,
-    rms_norm_linear,
     tie_quantized_lm_head,
 )
-from vllmpy.layers.mlp import GatedMLP
 from vllmpy.layers.norm import RMSNorm
 from vllmpy.layers.rotary import RotaryEmbedding
+from vllmpy.models.llama import LlamaDecoderLayer
 from vllmpy.models.weights import load_packed_weights
 
 # checkpoint name fragment -> (packed parameter fragment, shard id)
@@ -64,11 +63,12 @@ class Qwen3Attention(nn.Module):
             # a cache of the model's dtype takes the keys and values in the same launch
             cache = self.attn.kv_cache
             store = cache is not None and cache.dtype == q.dtype
-            slots = attn_metadata.slot_mapping[:attn_metadata.num_actual_tokens]
+            slots = (attn_metadata.slot_mapping[:attn_metadata.num_actual_tokens]
+                     if store else None)
             q, k = qk_norm_rotary(positions, q, k, self.q_norm.weight, self.k_norm.weight,
                                   self.q_norm.eps, self.rotary_emb.cos_sin_cache(q.device),
                                   self.head_dim, v if store else None,
-                                  cache if store else None, slots if store else None)
+                                  cache if store else None, slots)
             return self.o_proj(self.attn(q, k, v, attn_metadata, kv_stored=store))
         # per-head norms: [num_tokens, heads, head_dim] -> back to [num_tokens, heads * head_dim]
         q = self.q_norm(q.reshape(n, self.num_heads, self.head_dim)).view(n, self.q_size)
@@ -77,24 +77,10 @@ class Qwen3Attention(nn.Module):
         return self.o_proj(self.attn(q, k, v, attn_metadata))
 
 
-class Qwen3DecoderLayer(nn.Module):
-    def __init__(self, config: TextModelConfig) -> None:
-        super().__init__()
-        self.self_attn = Qwen3Attention(config)
-        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+class Qwen3DecoderLayer(LlamaDecoderLayer):
+    """Llama's decoder layer around Qwen3's attention."""
 
-    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor,
-                residual: torch.Tensor | None,
-                attn_metadata: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        # each layer norm runs with the projection after it (one launch for one row)
-        qkv, residual = rms_norm_linear(self.input_layernorm, self.self_attn.qkv_proj,
-                                        hidden_states, residual)
-        hidden_states = self.self_attn(positions, qkv, attn_metadata)
-        gate_up, residual = rms_norm_linear(self.post_attention_layernorm,
-                                            self.mlp.gate_up_proj, hidden_states, residual)
-        return self.mlp.down(gate_up), residual
+    attention_cls = Qwen3Attention
 
 
 class Qwen3Model(nn.Module):
