@@ -44,6 +44,27 @@ def gpu_us(fn, reps: int = 50) -> float:
     return start.elapsed_time(end) * 1e3 / (5 * reps)
 
 
+def fastest(configs, call, matches=None, label: str = "") -> tuple[float, tuple | None]:
+    """(us, config) of the fastest ``call(config)``; a configuration the compiler rejects,
+    or whose output ``matches()`` refuses, is reported and skipped."""
+    best, best_cfg = float("inf"), None
+    for cfg in configs:
+        try:
+            if matches is not None:
+                call(cfg)
+                torch.cuda.synchronize()
+                if not matches():
+                    print(f"  mismatch {label} {cfg}")
+                    continue
+            t = gpu_us(lambda cfg=cfg: call(cfg))
+        except Exception as exc:  # a configuration the compiler rejects
+            print(f"  failed {cfg}: {type(exc).__name__}")
+            continue
+        if t < best:
+            best, best_cfg = t, cfg
+    return best, best_cfg
+
+
 def sweep() -> None:
     dev = torch.device("cuda")
     configs = list(itertools.product((8, 16, 32), (256, 512), (4, 8), (3, 5)))
@@ -54,22 +75,13 @@ def sweep() -> None:
         out = torch.empty(m, n, device=dev, dtype=torch.bfloat16)
         ref = torch.nn.functional.linear(x, w)
         cublas = gpu_us(lambda x=x, w=w: torch.nn.functional.linear(x, w))
-        best, best_cfg = float("inf"), None
-        for cfg in configs:
-            def call(cfg=cfg, x=x, w=w, out=out):
-                _launch(x, None, None, None, w, None, out, PLAIN, 0.0, *cfg)
-            try:
-                call()
-                torch.cuda.synchronize()
-                if not torch.allclose(out.float(), ref.float(), atol=0.1, rtol=0.02):
-                    print(f"  mismatch {name} M={m} {cfg}")
-                    continue
-                t = gpu_us(call)
-            except Exception as exc:  # a configuration the compiler rejects
-                print(f"  failed {cfg}: {type(exc).__name__}")
-                continue
-            if t < best:
-                best, best_cfg = t, cfg
+
+        def call(cfg, x=x, w=w, out=out):
+            _launch(x, None, None, None, w, None, out, PLAIN, 0.0, *cfg)
+
+        def matches(out=out, ref=ref):
+            return torch.allclose(out.float(), ref.float(), atol=0.1, rtol=0.02)
+        best, best_cfg = fastest(configs, call, matches, f"{name} M={m}")
         roof = n * k * 2 / COPY_RATE * 1e6
         print(f"{name:14} {m:>2} {roof:7.2f} {cublas:7.2f} {best:7.2f} {best_cfg}")
 
@@ -116,17 +128,9 @@ def fused() -> None:
                 args, prologue = (x, res, nw, total), RMS_NORM
             plain = gpu_us(lambda x=plain_x: skinny_gemm(x, weight()))
             unfused = gpu_us(two)
-            best, best_cfg = float("inf"), None
-            for cfg in FUSED_CONFIGS:
-                def call(cfg=cfg, args=args, out=out, prologue=prologue):
-                    _launch(*args, weight(), None, out, prologue, 1e-6, *cfg)
-                try:
-                    t = gpu_us(call)
-                except Exception as exc:  # a configuration the compiler rejects
-                    print(f"  failed {cfg}: {type(exc).__name__}")
-                    continue
-                if t < best:
-                    best, best_cfg = t, cfg
+            def call(cfg, args=args, out=out, prologue=prologue):
+                _launch(*args, weight(), None, out, prologue, 1e-6, *cfg)
+            best, best_cfg = fastest(FUSED_CONFIGS, call)
             roof = n * k * 2 / COPY_RATE * 1e6
             print(f"{model + ' ' + name:16} {roof:7.2f} {plain:7.2f} {unfused:10.2f} "
                   f"{best:7.2f} {best_cfg}", flush=True)
