@@ -46,6 +46,8 @@ def test_refusals() -> None:
     x = torch.randn(MAX_ROWS + 1, 16)
     with pytest.raises(ValueError, match=f"at most {MAX_ROWS} rows"):
         skinny_gemm(x, torch.randn(4, 16))
+    with pytest.raises(ValueError, match="needs x \\[M, K\\]"):
+        skinny_gemm(torch.randn(16), torch.randn(4, 16))
     with pytest.raises(ValueError, match="weight \\[N, 16\\]"):
         skinny_gemm(torch.randn(1, 16), torch.randn(4, 15))
     with pytest.raises(ValueError, match="contiguous in their last dimension"):

@@ -123,14 +123,16 @@ def _skinny_gemm_kernel(
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
-def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, k: int,
-           op: str) -> None:
-    """x [M, *] with M <= MAX_ROWS, weight [N, k], both contiguous in their last dimension."""
+def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+           k: int | None, op: str) -> None:
+    """x [M, *] with M <= MAX_ROWS, weight [N, k], both contiguous in their last dimension;
+    k None: x is not 2-D, which is refused."""
     check_float("x", x, op)
     check_float("weight", weight, op)
     check_same_device("weight", weight, x, "x")
-    if x.dim() != 2 or weight.dim() != 2 or weight.shape[1] != k:
-        raise ValueError(f"{op} needs x [M, {k}] and weight [N, {k}], got "
+    if k is None or weight.dim() != 2 or weight.shape[1] != k:
+        size = "K" if k is None else k
+        raise ValueError(f"{op} needs x [M, {size}] and weight [N, {size}], got "
                          f"{tuple(x.shape)} and {tuple(weight.shape)}")
     if x.shape[0] > MAX_ROWS:
         raise ValueError(f"{op} takes at most {MAX_ROWS} rows, got {x.shape[0]}")
@@ -145,7 +147,7 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor,
                 bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` for x [M, K] with M <= MAX_ROWS; weight [N, K]
     contiguous. Returns a new [M, N] tensor of x's dtype."""
-    _check(x, weight, bias, x.shape[-1] if x.dim() == 2 else -1, "skinny_gemm")
+    _check(x, weight, bias, x.shape[1] if x.dim() == 2 else None, "skinny_gemm")
     out = torch.empty((x.shape[0], weight.shape[0]), dtype=x.dtype, device=x.device)
     _launch(x, None, None, None, weight, bias, out, PLAIN, 0.0)
     return out
@@ -157,8 +159,8 @@ def rms_norm_gemm(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: t
     """``(F.linear(rms_norm(s), weight, bias), s)`` for ``s = x + residual`` (rounded to x's
     dtype), or ``s = x`` without a residual. x, residual: [M, K], M <= MAX_ROWS;
     norm_weight: [K] of x's dtype. The sum is a new tensor (x itself without a residual)."""
-    k = x.shape[-1] if x.dim() == 2 else -1
-    _check(x, weight, bias, k, "rms_norm_gemm")
+    _check(x, weight, bias, x.shape[1] if x.dim() == 2 else None, "rms_norm_gemm")
+    k = x.shape[1]
     if norm_weight.shape != (k,) or norm_weight.stride(0) != 1 or norm_weight.dtype != x.dtype:
         raise ValueError(f"norm_weight must be a contiguous [{k}] of {x.dtype}, got "
                          f"{norm_weight.dtype} {tuple(norm_weight.shape)}")
