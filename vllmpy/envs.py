@@ -57,6 +57,9 @@ _VARIABLES: dict[str, Callable[[], Any]] = {
     # "0" turns off programmatic dependent launch of the decoder's Triton kernels on
     # Hopper and newer GPUs (see vllmpy.ops.pdl); read once, at the first launch.
     "VT_TRITON_PDL": lambda: os.environ.get("VT_TRITON_PDL", "1").strip() != "0",
+    # Worker processes that compile the start-up's Triton kernels in parallel on CUDA
+    # (see vllmpy.ops.precompile); unset: one per spare core, up to 8; "0": none.
+    "VT_COMPILE_WORKERS": lambda: _opt_int("VT_COMPILE_WORKERS"),
 }
 
 

@@ -72,11 +72,12 @@ def rotary_cpu(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
 class RotaryEmbedding(nn.Module):
     """Applies rotary embeddings to q and k, flattened as [num_tokens, num_heads * head_dim].
 
-    The cos/sin table is built on first use on the device of the inputs, in float32. The
-    CPU's own table (``rotary_cpu_table``) is shared by every layer with the same settings.
+    The cos/sin table is built on first use on the device of the inputs, in float32, once
+    for every layer with the same settings (as is the CPU's own ``rotary_cpu_table``).
     """
 
     SUPPORTED_SCALING = ("default", "llama3", "linear")
+    _tables: ClassVar[dict[tuple[Any, ...], torch.Tensor]] = {}
     _cpu_tables: ClassVar[dict[tuple[Any, ...], torch.Tensor]] = {}
 
     def __init__(self, head_dim: int, max_position: int, base: float,
@@ -91,7 +92,6 @@ class RotaryEmbedding(nn.Module):
             raise ValueError(f"rope_scaling type {kind!r} is not supported "
                              f"(supported: {', '.join(self.SUPPORTED_SCALING)})")
         self.scaling_kind = kind
-        self._cache: dict[torch.device, torch.Tensor] = {}
 
     def _inv_freq(self) -> torch.Tensor:
         exponents = torch.arange(0, self.head_dim, 2, dtype=torch.int64).float() / self.head_dim
@@ -106,10 +106,14 @@ class RotaryEmbedding(nn.Module):
 
     def cos_sin_cache(self, device: torch.device) -> torch.Tensor:
         """[max_position, head_dim]: cos in the first half, sin in the second."""
-        cache = self._cache.get(device)
-        if cache is None:
-            cache = self._cache[device] = self._cos_sin().to(device)
-        return cache
+        key = self._settings(device)
+        table = self._tables.get(key)
+        if table is None:
+            table = self._tables[key] = self._cos_sin().to(device)
+        return table
+
+    def _settings(self, device: torch.device) -> tuple[Any, ...]:
+        return (self.head_dim, self.max_position, self.base, repr(self.rope_scaling), device)
 
     def _cos_sin(self) -> torch.Tensor:
         t = torch.arange(self.max_position, dtype=torch.float32)
@@ -118,7 +122,7 @@ class RotaryEmbedding(nn.Module):
 
     def cpu_table(self, device: torch.device) -> torch.Tensor:
         """``rotary_cpu_table`` of this layer's cos/sin, built once per settings and device."""
-        key = (self.head_dim, self.max_position, self.base, repr(self.rope_scaling), device)
+        key = self._settings(device)
         table = self._cpu_tables.get(key)
         if table is None:
             table = self._cpu_tables[key] = rotary_cpu_table(self._cos_sin()).to(device)

@@ -116,31 +116,47 @@ class StepGraphs:
             max_seq_len=self.max_model_len,
         )
 
+    def _mixed_forward(self, tokens: int) -> torch.Tensor:
+        """The mixed step of ``tokens`` padding tokens (its request slots set empty
+        beforehand, outside any capture)."""
+        return self.model(self.input_ids[:tokens], self.positions[:tokens],
+                          self._mixed_meta(tokens))
+
+    def _decode_forward(self, size: int) -> torch.Tensor:
+        """The decode step of ``size`` padding requests; returns the hidden states."""
+        return self.model(self.input_ids[:size], self.positions[:size], self._meta(size))
+
+    @torch.inference_mode()
+    def warm_up(self) -> None:
+        """Run every graph's forward (and the decode graphs' logits) once, eagerly, without
+        capturing: what ``capture`` launches, for recording the kernels it needs."""
+        for tokens in reversed(self.mixed_sizes):
+            self.query_start_loc[:self._mixed_seqs(tokens) + 1].zero_()
+            self._mixed_forward(tokens)
+        self.query_start_loc.copy_(self.arange)
+        for size in reversed(self.sizes):
+            self.model.compute_logits(self._decode_forward(size))  # type: ignore[operator]
+
     @torch.inference_mode()
     def capture(self) -> None:
         """Capture every graph, largest first, into one pool. The static buffers hold only
         padding while capturing, so nothing is written to the KV cache."""
         pool = None
         for tokens in reversed(self.mixed_sizes):
-            seqs = self._mixed_seqs(tokens)
-            self.query_start_loc[:seqs + 1].zero_()  # every request slot empty
-            meta = self._mixed_meta(tokens)
-            ids, pos = self.input_ids[:tokens], self.positions[:tokens]
-            self.model(ids, pos, meta)  # warm-up: compiles kernels
+            self.query_start_loc[:self._mixed_seqs(tokens) + 1].zero_()  # every slot empty
+            self._mixed_forward(tokens)  # warm-up: compiles kernels
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                hidden = self.model(ids, pos, meta)
+                hidden = self._mixed_forward(tokens)
             if pool is None:
                 pool = graph.pool()
             self.mixed_graphs[tokens] = graph
             self.mixed_outputs[tokens] = hidden
         self.query_start_loc.copy_(self.arange)
         for size in reversed(self.sizes):
-            meta = self._meta(size)
-            ids, pos = self.input_ids[:size], self.positions[:size]
             # warm-up: compiles kernels, builds rotary tables
-            logits = self.model.compute_logits(self.model(ids, pos, meta))  # type: ignore[operator]
+            logits = self.model.compute_logits(self._decode_forward(size))  # type: ignore[operator]
             if self.logits is None:  # one logits buffer that every size writes into
                 self.logits = torch.empty((self.sizes[-1], logits.shape[1]), dtype=logits.dtype,
                                           device=logits.device)
@@ -148,7 +164,7 @@ class StepGraphs:
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                hidden = self.model(ids, pos, meta)
+                hidden = self._decode_forward(size)
                 self.logits[:size].copy_(self.model.compute_logits(hidden))  # type: ignore[operator]
             if pool is None:
                 pool = graph.pool()

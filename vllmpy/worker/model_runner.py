@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -22,6 +24,7 @@ from vllmpy.loader.load_stats import LoadStats
 from vllmpy.loader.source import ModelSource, iter_checkpoint_weights
 from vllmpy.models.interface import CausalLM
 from vllmpy.models.registry import resolve_model_class
+from vllmpy.ops.precompile import KernelCompiler, default_num_workers, record_variants
 from vllmpy.sample.logprobs import (
     PromptChunk,
     PromptLogprobsPlan,
@@ -34,6 +37,49 @@ from vllmpy.sampling_params import SamplingParams
 from vllmpy.structured_output.bitmask import apply_step_grammar_bitmask
 from vllmpy.worker.cuda_graphs import StepGraphs, mixed_capture_sizes
 from vllmpy.worker.input_batch import InputBatch, StepInputs
+
+
+@contextlib.contextmanager
+def _first_layers(model: nn.Module, n: int) -> Iterator[None]:
+    """Run the model with only its first ``n`` decoder layers (every ``layers`` ModuleList
+    cut short) inside the block. The layers of the supported models are alike: past the
+    first (no residual yet) each launches the same kernel variants, so recording the
+    start-up's launches through two layers lists all of them, at a fraction of the
+    cost."""
+    cut = [(m, m.layers) for m in model.modules()
+           if isinstance(getattr(m, "layers", None), nn.ModuleList)]
+    for m, layers in cut:
+        m.layers = layers[:n]
+    try:
+        yield
+    finally:
+        for m, layers in cut:
+            m.layers = layers
+
+
+def _materialize(model: nn.Module, device: torch.device, dtype: torch.dtype) -> None:
+    """Give every parameter and buffer of a model built on the meta device uninitialised
+    storage on ``device``, the floating ones in ``dtype`` (what ``.to_empty(device=...)
+    .to(dtype)`` gives, without a float32 copy on the device, and without to_empty's
+    per-tensor cost of several ms on a meta tensor). Tied tensors stay tied."""
+    # id of a meta tensor -> (the meta tensor, kept alive so its id stays its own; its
+    # replacement)
+    made: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def replace(t: torch.Tensor, param: bool) -> torch.Tensor:
+        if id(t) not in made:
+            new = torch.empty(t.shape, device=device,
+                              dtype=dtype if t.is_floating_point() else t.dtype)
+            made[id(t)] = (t, nn.Parameter(new, requires_grad=t.requires_grad) if param else new)
+        return made[id(t)][1]
+
+    for module in model.modules():
+        for name, p in module._parameters.items():
+            if p is not None:
+                module._parameters[name] = replace(p, True)  # type: ignore[assignment]
+        for name, b in module._buffers.items():
+            if b is not None:
+                module._buffers[name] = replace(b, False)
 
 
 @dataclass
@@ -71,6 +117,8 @@ class ModelRunner:
         self.model: CausalLM | None = None
         self.kv_caches: list[torch.Tensor] = []
         self._load_stats = LoadStats()
+        # CUDA: worker processes compiling Triton kernels during the load (until compiled)
+        self._compiler: KernelCompiler | None = None
         # CUDA graphs of decode steps and of small mixed steps, once captured (CUDA
         # without enforce_eager)
         self.graphs: StepGraphs | None = None
@@ -89,13 +137,15 @@ class ModelRunner:
     # ---- start-up -------------------------------------------------------------------
 
     def load_model(self, source: ModelSource) -> None:
+        if self.device.type == "cuda":
+            self._start_kernel_compiler()
         stats = LoadStats()
         mc = self.config.model
         with stats.phase("build"):
             model_cls = resolve_model_class(mc.text_config.architectures)
             with torch.device("meta"):
                 model = model_cls(mc.text_config)
-            model = model.to_empty(device=self.device).to(mc.dtype)
+            _materialize(model, self.device, mc.dtype)
         with stats.phase("weights"):
             if source.kind == "dummy":
                 self._load_dummy(model)
@@ -105,6 +155,8 @@ class ModelRunner:
         model.eval()
         self.model = model  # type: ignore[assignment]
         self._load_stats = stats
+        if self._compiler is not None:
+            self.compile_kernels()
 
     def _load_dummy(self, model: nn.Module) -> None:
         from vllmpy.loader.dummy import dummy_weights
@@ -143,6 +195,64 @@ class ModelRunner:
             if not self.config.enforce_eager:
                 self._capture_graphs()
 
+    def _start_kernel_compiler(self) -> None:
+        workers = default_num_workers()
+        self._compiler = KernelCompiler(workers) if workers else None
+
+    @torch.inference_mode()
+    def compile_kernels(self) -> None:
+        """CUDA, at the end of ``load_model``: compile the Triton kernel variants the
+        start-up will launch (the profile steps, every CUDA graph) in the worker processes
+        started at its beginning, instead of one after another at their first launches. The forwards run once here
+        with those launches recorded instead of run (vllmpy.ops.precompile)."""
+        compiler, self._compiler = self._compiler, None
+        if compiler is None:
+            return
+        assert self.model is not None
+        sched = self.config.scheduler
+        try:
+            with self._load_stats.phase("kernel_compile"):
+                tokens = sched.max_num_batched_tokens
+                self._bind_kv_caches(self._scratch_caches(tokens))
+                # what profile_kv_budget and capture run, through the first two layers
+                with _first_layers(self.model, 2), record_variants() as variants:
+                    self._profile_forward([tokens], min(sched.max_num_seqs, tokens))
+                    if not self.config.enforce_eager:
+                        self._profile_forward([1] * sched.max_num_seqs, sched.max_num_seqs)
+                        mixed = mixed_capture_sizes(tokens)
+                        if mixed:
+                            self._profile_forward([mixed[-1]], 1)
+                        StepGraphs(self.model, self.device,  # type: ignore[arg-type]
+                                   sched.max_num_seqs, self.config.model.max_model_len,
+                                   self.block_size, sched.max_num_batched_tokens).warm_up()
+                for layer in self._attention_layers():
+                    layer.kv_cache = None
+                report = compiler.compile(variants)
+        finally:
+            compiler.close()
+        gc.collect()
+        torch.cuda.empty_cache()
+        where = ", ".join(part for part in (
+            f"{report.here} in this process" if report.here else "",
+            f"{report.in_workers} in {compiler.num_workers} worker processes"
+            if report.in_workers else "") if part)
+        slowest = f"; slowest {report.slowest}" if report.slowest else ""
+        log(f"Triton kernels: {report.here + report.in_workers} of {report.variants} "
+            f"variants ready in {report.seconds:.2f} s ({where or 'none'}){slowest}")
+        if report.failed:
+            log(f"Triton kernels: the rest compile at their first launch; "
+                f"{'; '.join(report.failed[:3])}")
+
+    def _scratch_caches(self, tokens: int) -> list[torch.Tensor]:
+        """Small KV caches for start-up forwards of up to ``tokens`` tokens (only padding
+        slots, so nothing is ever written to them)."""
+        cache = self.config.cache
+        text = self.config.model.text_config
+        blocks = -(-tokens // self.block_size) + 1
+        return [torch.zeros((2, blocks, self.block_size, text.num_key_value_heads,
+                             text.head_dim), dtype=cache.kv_cache_dtype, device=self.device)
+                for _ in self._attention_layers()]
+
     @torch.inference_mode()
     def profile_kv_budget(self) -> tuple[int, str]:
         """CUDA: the bytes the KV pool may take under --gpu-memory-utilization, and how
@@ -152,15 +262,11 @@ class ModelRunner:
         and measures their peaks."""
         assert self.model is not None and self.device.type == "cuda"
         sched, cache = self.config.scheduler, self.config.cache
-        text = self.config.model.text_config
         gc.collect()
         torch.cuda.empty_cache()
         weights = torch.cuda.memory_allocated(self.device)
         tokens = sched.max_num_batched_tokens
-        scratch_blocks = -(-tokens // self.block_size) + 1
-        scratch = [torch.zeros((2, scratch_blocks, self.block_size, text.num_key_value_heads,
-                                text.head_dim), dtype=cache.kv_cache_dtype, device=self.device)
-                   for _ in self._attention_layers()]
+        scratch = self._scratch_caches(tokens)
         self._bind_kv_caches(scratch)
         base = torch.cuda.memory_allocated(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
@@ -192,9 +298,9 @@ class ModelRunner:
                f"CUDA graphs (est.) {graphs / gib:.2f} GiB")
         return kv_bytes, how
 
-    def _profile_step(self, seq_lens: list[int], sample: int) -> None:
-        """One forward of fresh sequences of ``seq_lens`` tokens against the scratch cache,
-        then logits and a random-sampling pass over ``sample`` rows."""
+    def _profile_forward(self, seq_lens: list[int], rows: int) -> torch.Tensor:
+        """One forward of fresh sequences of ``seq_lens`` tokens against the bound scratch
+        caches; returns the logits of the last ``rows`` tokens."""
         assert self.model is not None
         n, total = len(seq_lens), sum(seq_lens)
         dev = self.device
@@ -217,12 +323,17 @@ class ModelRunner:
         ids = torch.zeros(total, dtype=torch.int64, device=dev)
         pos = torch.cat([torch.arange(length, device=dev) for length in seq_lens])
         hidden = self.model(ids, pos, meta)
-        logits = self.model.compute_logits(hidden[-sample:])
+        return self.model.compute_logits(hidden[-rows:])
+
+    def _profile_step(self, seq_lens: list[int], sample: int) -> None:
+        """``_profile_forward``, then a random-sampling pass over ``sample`` rows."""
+        logits = self._profile_forward(seq_lens, sample)
         params = SamplingParams(temperature=1.0, top_p=0.9, top_k=50)
         md = SamplingMetadata.build([params] * sample, [[0]] * sample, [[]] * sample,
-                                    [None] * sample, [set()] * sample, self.vocab_size, dev)
+                                    [None] * sample, [set()] * sample, self.vocab_size,
+                                    self.device)
         self.sampler(logits, md)
-        torch.cuda.synchronize(dev)
+        torch.cuda.synchronize(self.device)
 
     def _attention_layers(self) -> list[Attention]:
         assert isinstance(self.model, nn.Module)
