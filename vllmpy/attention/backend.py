@@ -34,6 +34,18 @@ class AttentionBackend:
                 kv_stored: bool = False) -> torch.Tensor:
         raise NotImplementedError
 
+    def decode_from_qkv(self, qkv: torch.Tensor, positions: torch.Tensor,
+                        cos_sin_cache: torch.Tensor, kv_cache: torch.Tensor,
+                        meta: AttentionMetadata, q_norm_weight: torch.Tensor | None = None,
+                        k_norm_weight: torch.Tensor | None = None,
+                        eps: float = 0.0) -> torch.Tensor | None:
+        """A backend that can run a decode step straight from the packed qkv projection
+        (rotary after an optional per-head q/k RMSNorm, the KV write and attention, in
+        one pass) returns the attention output [num_tokens, num_heads, head_dim] here;
+        None (this default) means the step takes the separate path: rotary, then
+        ``forward``."""
+        return None
+
 
 def quantize_kv(x: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:
     """x in the cache's storage dtype: fp8 holds clamp(x / scale, +-448), others hold x."""

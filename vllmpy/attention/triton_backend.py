@@ -6,6 +6,7 @@ import torch
 
 from vllmpy.attention.backend import AttentionBackend
 from vllmpy.attention.metadata import AttentionMetadata
+from vllmpy.ops import decode_attention as fused_decode
 from vllmpy.ops.paged_attention import paged_attention, reshape_and_cache
 
 
@@ -46,6 +47,27 @@ class TritonAttentionBackend(AttentionBackend):
                         max_seq_len=max_seq_len, num_splits=self.num_splits,
                         k_scale=k_scale, v_scale=v_scale)
         return out
+
+    def decode_from_qkv(self, qkv: torch.Tensor, positions: torch.Tensor,
+                        cos_sin_cache: torch.Tensor, kv_cache: torch.Tensor,
+                        meta: AttentionMetadata, q_norm_weight: torch.Tensor | None = None,
+                        k_norm_weight: torch.Tensor | None = None,
+                        eps: float = 0.0) -> torch.Tensor | None:
+        """A pure decode step (one token per request, every row a request's) over a cache
+        of the model's dtype, in one launch plus the split merge (vllmpy.ops.
+        decode_attention); anything else returns None for the separate path."""
+        max_query_len, max_seq_len = _step_maxima(meta)
+        if (max_query_len != 1 or qkv.shape[0] != meta.seq_lens.shape[0]
+                or meta.num_actual_tokens != qkv.shape[0]
+                or not fused_decode.supports(self.head_dim, kv_cache, qkv.dtype)):
+            return None
+        n = qkv.shape[0]
+        return fused_decode.decode_attention(
+            qkv, positions[:n], cos_sin_cache, kv_cache, meta.slot_mapping[:n],
+            meta.query_start_loc, meta.seq_lens, meta.block_tables,
+            num_heads=self.num_heads, scale=self.scale, max_seq_len=max_seq_len,
+            q_norm_weight=q_norm_weight, k_norm_weight=k_norm_weight, eps=eps,
+            num_splits=self.num_splits)
 
 
 def _step_maxima(meta: AttentionMetadata) -> tuple[int, int]:

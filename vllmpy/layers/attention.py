@@ -54,6 +54,23 @@ class Attention(nn.Module):
             self.kv_cache, meta, self.k_scale, self.v_scale, kv_stored)
         return out.reshape(n, self.num_heads * self.head_dim)
 
+    def decode_from_qkv(self, qkv: torch.Tensor, positions: torch.Tensor,
+                        cos_sin_cache: torch.Tensor, meta: AttentionMetadata,
+                        q_norm_weight: torch.Tensor | None = None,
+                        k_norm_weight: torch.Tensor | None = None,
+                        eps: float = 0.0) -> torch.Tensor | None:
+        """The attention output [num_tokens, num_heads * head_dim] of a decode step taken
+        straight from the packed qkv projection [num_tokens, q + k + v], when the backend
+        runs that in one pass: rotary at ``positions`` from ``cos_sin_cache`` (after a
+        per-head RMSNorm of q and k with the given weights), the new keys and values
+        stored, attention. None when it does not (not a pure decode, an fp8 cache, another
+        backend): the caller then runs rotary and ``forward``."""
+        if self.kv_cache is None:
+            raise RuntimeError("attention layer used before its KV cache was bound")
+        out = self.backend.decode_from_qkv(qkv, positions, cos_sin_cache, self.kv_cache, meta,
+                                           q_norm_weight, k_norm_weight, eps)
+        return None if out is None else out.reshape(qkv.shape[0], self.num_heads * self.head_dim)
+
 
 # A layer's KV-cache scales as checkpoints name them, relative to the decoder layer's
 # attention module: ``self_attn.k_scale`` (compressed-tensors), ``self_attn.k_proj.k_scale``

@@ -54,6 +54,12 @@ class LlamaAttention(nn.Module):
                 attn_metadata: AttentionMetadata) -> torch.Tensor:
         """qkv: qkv_proj's output, [num_tokens, q_size + 2 * kv_size] (the decoder layer
         runs the projection, so that it can take the layer norm into the same launch)."""
+        if qkv.is_cuda:  # a decode step: rotary, the KV write and attention at once
+            out = self.attn.decode_from_qkv(qkv, positions,
+                                            self.rotary_emb.cos_sin_cache(qkv.device),
+                                            attn_metadata)
+            if out is not None:
+                return self.o_proj(out)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q, k = self.rotary_emb(positions, q, k)
         return self.o_proj(self.attn(q, k, v, attn_metadata))

@@ -55,6 +55,13 @@ class Qwen3Attention(nn.Module):
                 attn_metadata: AttentionMetadata) -> torch.Tensor:
         """qkv: qkv_proj's output, [num_tokens, q_size + 2 * kv_size] (the decoder layer
         runs the projection, so that it can take the layer norm into the same launch)."""
+        if qkv.is_cuda:  # a decode step: norms, rotary, the KV write and attention at once
+            cos_sin = self.rotary_emb.cos_sin_cache(qkv.device)
+            out = self.attn.decode_from_qkv(qkv, positions, cos_sin, attn_metadata,
+                                            self.q_norm.weight, self.k_norm.weight,
+                                            self.q_norm.eps)
+            if out is not None:
+                return self.o_proj(out)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         n = q.shape[0]
         if q.is_cuda:

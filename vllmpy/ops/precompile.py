@@ -247,7 +247,8 @@ def _worker() -> None:
 
         triton.runtime.driver.active.get_current_target()  # the device query, done early
         # the modules that hold the engine's kernels
-        for name in ("vllmpy.ops.fused", "vllmpy.ops.paged_attention", "vllmpy.ops.skinny_gemm"):
+        for name in ("vllmpy.ops.fused", "vllmpy.ops.paged_attention",
+                     "vllmpy.ops.decode_attention", "vllmpy.ops.skinny_gemm"):
             importlib.import_module(name)
     except Exception as e:  # noqa: BLE001 - reported to the parent, which carries on
         reply(error=f"{type(e).__name__}: {e}")

@@ -1,0 +1,282 @@
+"""A decode step's attention in one launch from the qkv projection: rotary (after Qwen3's
+per-head RMSNorm of q and k, when its weights are given), the new token's key and value
+stored into the paged cache, and attention over the cache, plus the split-KV merge when
+the keys are split.
+
+What it replaces, per layer: the q/k norm + rotary kernel (which stores the keys and
+values) and ``paged_attention``'s decode launch; the values are those of that pair, up to
+the order of the fp32 sums that take in the new key.
+
+Layout. One query token per request: token ``i`` belongs to request ``i`` (a decode
+step's ``query_start_loc`` is ``arange``). A program takes one request, one KV head and
+one split of the request's cached keys: the rows of its dot products are that KV head's
+GROUP query heads, padded to 16 for the tensor cores. Every program normalizes and rotates
+its query heads itself (a few hundred values). The program whose key range holds the new
+token's position (``seq_len - 1``) also normalizes and rotates the new key, stores it and
+the new value at the token's slot, and takes them into its softmax from registers; the
+tiles it loads from the cache stop before that position, so no program reads a cache entry
+this launch writes.
+
+Rotary is the NeoX form (the two halves of each head rotate together), as
+``vllmpy.ops.fused.rotary_embedding``: heads are handled as two halves of head_dim / 2,
+which must be a power of two of at least 16.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from vllmpy.ops.checks import check_same_device
+from vllmpy.ops.paged_attention import (
+    _merge_splits_kernel,
+    choose_num_splits,
+    num_multiprocessors,
+)
+from vllmpy.ops.pdl import pdl_args, pdl_wait
+
+# keys per loop iteration, as paged_attention's decode launch takes them
+TILE_N = 64
+
+
+@triton.jit
+def _norm_rotate(x1, x2, w_ptr, cos, sin, eps, HEAD_DIM: tl.constexpr,
+                 QK_NORM: tl.constexpr):
+    # Two halves [rows, HEAD_DIM // 2] of some heads (in the model's dtype) -> the same,
+    # rotated; first an RMSNorm over each head with weight w when QK_NORM, rounded where
+    # rms_norm rounds it (as vllmpy.ops.fused's q/k norm + rotary kernel).
+    HALF: tl.constexpr = HEAD_DIM // 2
+    ty = x1.dtype
+    a = x1.to(tl.float32)
+    b = x2.to(tl.float32)
+    if QK_NORM:
+        var = (tl.sum(a * a, axis=1) + tl.sum(b * b, axis=1)) / HEAD_DIM
+        inv = tl.math.rsqrt(var + eps)[:, None]
+        dims = tl.arange(0, HALF)[None, :]
+        w1 = tl.load(w_ptr + dims).to(tl.float32)
+        w2 = tl.load(w_ptr + HALF + dims).to(tl.float32)
+        a = (w1 * (a * inv).to(ty).to(tl.float32)).to(ty).to(tl.float32)
+        b = (w2 * (b * inv).to(ty).to(tl.float32)).to(ty).to(tl.float32)
+    return (a * cos - b * sin).to(ty), (b * cos + a * sin).to(ty)
+
+
+@triton.jit(do_not_specialize=["num_splits", "stride_bt"])
+def _decode_attention_kernel(
+    qkv_ptr, pos_ptr, cos_sin_ptr, qw_ptr, kw_ptr, slot_ptr,
+    cache_ptr, out_ptr, part_acc_ptr, part_ml_ptr, seq_lens_ptr, block_table_ptr,
+    scale_log2, eps, num_splits, num_heads, num_kv_heads,
+    stride_qkv, stride_cs, stride_o_tok, stride_o_head,
+    stride_c_kv, stride_c_blk, stride_c_slot, stride_c_head, stride_bt,
+    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, TILE: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, SPLIT: tl.constexpr,
+    QK_NORM: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr,
+):
+    HALF: tl.constexpr = HEAD_DIM // 2
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    tok = seq.to(tl.int64)
+    rows = tl.arange(0, BLOCK_M)
+    row_ok = rows < GROUP
+    head = kv_head * GROUP + rows  # [BLOCK_M] query heads
+    half = tl.arange(0, HALF)
+    dims = tl.arange(0, HEAD_DIM)
+    pdl_wait(PDL)
+
+    seq_len = tl.load(seq_lens_ptr + seq)
+    pos = tl.load(pos_ptr + tok).to(tl.int64)
+    cos = tl.load(cos_sin_ptr + pos * stride_cs + half)[None, :]  # [1, HALF] fp32
+    sin = tl.load(cos_sin_ptr + pos * stride_cs + HALF + half)[None, :]
+    src = qkv_ptr + tok * stride_qkv
+    q_off = head[:, None] * HEAD_DIM + half[None, :]  # [BLOCK_M, HALF]
+    q1 = tl.load(src + q_off, mask=row_ok[:, None], other=0.0)
+    q2 = tl.load(src + q_off + HALF, mask=row_ok[:, None], other=0.0)
+    q1, q2 = _norm_rotate(q1, q2, qw_ptr, cos, sin, eps, HEAD_DIM, QK_NORM)
+
+    # This program's tiles of the request's keys; the last key (the new token) is taken
+    # from qkv by the program whose range holds it, the others come from the cache.
+    last = seq_len - 1
+    num_tiles = tl.cdiv(seq_len, TILE)
+    if SPLIT:
+        per_split = tl.cdiv(num_tiles, num_splits)
+        tile_lo = split * per_split
+        tile_hi = tl.minimum(num_tiles, tile_lo + per_split)
+    else:
+        tile_lo = 0
+        tile_hi = num_tiles
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max, log2 domain
+    l_i = tl.zeros([BLOCK_M], tl.float32)  # running sum of exp2(s - m_i)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    table_row = block_table_ptr + seq * stride_bt
+    cols = tl.arange(0, TILE)
+    for tile in range(tile_lo, tile_hi):
+        key_pos = tile * TILE + cols  # [TILE]
+        key_ok = key_pos < last
+        block = tl.load(table_row + key_pos // BLOCK_SIZE, mask=key_ok, other=0).to(tl.int64)
+        key_off = (block * stride_c_blk + (key_pos % BLOCK_SIZE) * stride_c_slot
+                   + kv_head * stride_c_head)  # [TILE]
+        k1 = tl.load(cache_ptr + key_off[None, :] + half[:, None], mask=key_ok[None, :],
+                     other=0.0)  # [HALF, TILE]
+        k2 = tl.load(cache_ptr + key_off[None, :] + HALF + half[:, None],
+                     mask=key_ok[None, :], other=0.0)
+        s = tl.dot(q1, k1, input_precision=DOT_PRECISION)
+        s = tl.dot(q2, k2, acc=s, input_precision=DOT_PRECISION) * scale_log2
+        s = tl.where(key_ok[None, :], s, float("-inf"))  # [BLOCK_M, TILE]
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw no key yet
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(cache_ptr + stride_c_kv + key_off[:, None] + dims[None, :],
+                    mask=key_ok[:, None], other=0.0)  # [TILE, HEAD_DIM]
+        acc = acc * alpha[:, None] + tl.dot(p.to(q1.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    last_tile = last // TILE
+    if (seq_len > 0) & (last_tile >= tile_lo) & (last_tile < tile_hi):
+        # the new token: its key normalized and rotated, and its value, from qkv
+        k_src = src + (num_heads + kv_head) * HEAD_DIM + half[None, :]  # [1, HALF]
+        k1n, k2n = _norm_rotate(tl.load(k_src), tl.load(k_src + HALF), kw_ptr, cos, sin,
+                                eps, HEAD_DIM, QK_NORM)
+        v_new = tl.load(src + (num_heads + num_kv_heads + kv_head) * HEAD_DIM + dims)
+        slot = tl.load(slot_ptr + tok).to(tl.int64)
+        if slot >= 0:  # a negative slot is padding: nothing to store
+            dst = (cache_ptr + (slot // BLOCK_SIZE) * stride_c_blk
+                   + (slot % BLOCK_SIZE) * stride_c_slot + kv_head * stride_c_head)
+            tl.store(dst + half[None, :], k1n)
+            tl.store(dst + HALF + half[None, :], k2n)
+            tl.store(dst + stride_c_kv + dims, v_new)
+        s_new = (tl.sum(q1.to(tl.float32) * k1n.to(tl.float32), 1)
+                 + tl.sum(q2.to(tl.float32) * k2n.to(tl.float32), 1)) * scale_log2
+        m_new = tl.maximum(m_i, s_new)  # finite: s_new is
+        p_new = tl.exp2(s_new - m_new)
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + p_new
+        # p rounds to the model's dtype before it weighs the value, as in the tiles' dot
+        acc = (acc * alpha[:, None]
+               + p_new.to(q1.dtype).to(tl.float32)[:, None] * v_new.to(tl.float32)[None, :])
+        m_i = m_new
+
+    if SPLIT:
+        # partials: acc [num_tokens, num_heads, num_splits, HEAD_DIM], (m, l) [..., 2]
+        part = (tok * num_heads + head) * num_splits + split  # [BLOCK_M]
+        tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + dims[None, :], acc,
+                 mask=row_ok[:, None])
+        tl.store(part_ml_ptr + part * 2, m_i, mask=row_ok)
+        tl.store(part_ml_ptr + part * 2 + 1, l_i, mask=row_ok)
+    else:
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        tl.store(out_ptr + tok * stride_o_tok + head[:, None] * stride_o_head + dims[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+
+def supports(head_dim: int, kv_cache: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether ``decode_attention`` takes this geometry: head_dim / 2 a power of two of at
+    least 16, and a cache of the model's own dtype (an fp8 cache needs the quantizing
+    writer)."""
+    half = head_dim // 2
+    return (head_dim % 2 == 0 and half >= 16 and half & (half - 1) == 0
+            and kv_cache.dtype == dtype)
+
+
+def decode_attention(qkv: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
+                     kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                     query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+                     block_tables: torch.Tensor, *, num_heads: int, scale: float,
+                     max_seq_len: int, q_norm_weight: torch.Tensor | None = None,
+                     k_norm_weight: torch.Tensor | None = None, eps: float = 0.0,
+                     num_splits: int | None = None) -> torch.Tensor:
+    """Attention output [num_seqs, num_heads, head_dim] of a decode step, one query token
+    per request (token i is request i's, as ``query_start_loc`` = arange says), from
+    ``qkv`` [num_seqs, (num_heads + 2 * num_kv_heads) * head_dim] (q, k, v packed, before
+    rotary and any q/k norm). Stores each new key (normed and rotated) and value at its
+    ``slot_mapping`` entry (a negative slot stores nothing). ``positions`` [num_seqs]
+    index ``cos_sin_cache`` [max_position, head_dim] (cos, then sin). With
+    ``q_norm_weight`` and ``k_norm_weight`` ([head_dim], of qkv's dtype) q and k get
+    Qwen3's per-head RMSNorm (``eps``) first. ``max_seq_len`` and ``num_splits`` as in
+    ``paged_attention``."""
+    num_seqs = seq_lens.shape[0]
+    if kv_cache.dim() != 5 or kv_cache.shape[0] != 2 or kv_cache.stride(-1) != 1:
+        raise ValueError("kv_cache must be [2, num_blocks, block_size, num_kv_heads, "
+                         f"head_dim], contiguous in head_dim, got {tuple(kv_cache.shape)}")
+    _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
+    if not supports(head_dim, kv_cache, qkv.dtype):
+        raise ValueError(f"decode_attention takes head_dim / 2 a power of two >= 16 and a "
+                         f"cache of qkv's dtype ({qkv.dtype}); got head_dim {head_dim}, "
+                         f"cache {kv_cache.dtype}")
+    width = (num_heads + 2 * num_kv_heads) * head_dim
+    if (qkv.dim() != 2 or tuple(qkv.shape) != (num_seqs, width) or qkv.stride(1) != 1
+            or num_heads % num_kv_heads):
+        raise ValueError(f"qkv must be [{num_seqs}, {width}] (one token per request, "
+                         f"{num_heads} query heads, a multiple of the cache's "
+                         f"{num_kv_heads} KV heads) contiguous in its last dimension, got "
+                         f"{tuple(qkv.shape)}")
+    for name, t, shape, dtypes in (
+            ("positions", positions, (num_seqs,), (torch.int32, torch.int64)),
+            ("slot_mapping", slot_mapping[:num_seqs], (num_seqs,), (torch.int32, torch.int64)),
+            ("query_start_loc", query_start_loc, (num_seqs + 1,), (torch.int32,)),
+            ("block_tables", block_tables, (num_seqs, block_tables.shape[-1]), (torch.int32,)),
+            ("seq_lens", seq_lens, (num_seqs,), (torch.int32,))):
+        if tuple(t.shape) != shape or t.dtype not in dtypes:
+            raise ValueError(f"{name} must be {' or '.join(map(str, dtypes))} of shape {shape}, "
+                             f"got {t.dtype} {tuple(t.shape)}")
+        check_same_device(name, t, qkv, "qkv")
+    if cos_sin_cache.dim() != 2 or cos_sin_cache.shape[1] != head_dim or \
+            cos_sin_cache.dtype != torch.float32 or cos_sin_cache.stride(1) != 1:
+        raise ValueError(f"cos_sin_cache must be float32 [max_position, {head_dim}], got "
+                         f"{cos_sin_cache.dtype} {tuple(cos_sin_cache.shape)}")
+    qk_norm = q_norm_weight is not None
+    if qk_norm != (k_norm_weight is not None):
+        raise ValueError("q_norm_weight and k_norm_weight go together")
+    for name, w in (("q_norm_weight", q_norm_weight), ("k_norm_weight", k_norm_weight)):
+        if w is not None and (tuple(w.shape) != (head_dim,) or w.dtype != qkv.dtype
+                              or w.stride(0) != 1):
+            raise ValueError(f"{name} must be a contiguous [{head_dim}] of {qkv.dtype}, "
+                             f"got {w.dtype} {tuple(w.shape)}")
+    for name, t in (("kv_cache", kv_cache), ("cos_sin_cache", cos_sin_cache)):
+        check_same_device(name, t, qkv, "qkv")
+    if block_tables.stride(-1) != 1:
+        raise ValueError(f"block_tables must be contiguous in its last dimension, got "
+                         f"strides {block_tables.stride()}")
+    out = torch.empty((num_seqs, num_heads, head_dim), dtype=qkv.dtype, device=qkv.device)
+    if num_seqs == 0:
+        return out
+    if num_splits is None:
+        num_splits = choose_num_splits(num_seqs * num_kv_heads, max_seq_len,
+                                       num_multiprocessors(qkv.device))
+    if num_splits < 1:
+        raise ValueError(f"num_splits must be at least 1, got {num_splits}")
+    if num_splits > 1:
+        part_acc = torch.empty((num_seqs, num_heads, num_splits, head_dim),
+                               dtype=torch.float32, device=qkv.device)
+        part_ml = torch.empty((num_seqs, num_heads, num_splits, 2),
+                              dtype=torch.float32, device=qkv.device)
+    else:
+        part_acc = part_ml = out  # unused
+    group = num_heads // num_kv_heads
+    pdl = pdl_args(qkv.device)
+    _decode_attention_kernel[(num_seqs, num_kv_heads, num_splits)](
+        qkv, positions, cos_sin_cache, q_norm_weight if qk_norm else qkv,
+        k_norm_weight if qk_norm else qkv, slot_mapping,
+        kv_cache, out, part_acc, part_ml, seq_lens, block_tables,
+        scale * math.log2(math.e), float(eps), num_splits, num_heads, num_kv_heads,
+        qkv.stride(0), cos_sin_cache.stride(0), out.stride(0), out.stride(1),
+        kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
+        block_tables.stride(0),
+        GROUP=group, BLOCK_M=max(16, triton.next_power_of_2(group)), TILE=TILE_N,
+        HEAD_DIM=head_dim, BLOCK_SIZE=block_size, SPLIT=num_splits > 1, QK_NORM=qk_norm,
+        DOT_PRECISION="ieee" if qkv.dtype == torch.float32 else "tf32",
+        num_warps=4, num_stages=3, **pdl,
+    )
+    if num_splits > 1:
+        _merge_splits_kernel[(num_seqs, num_heads)](
+            part_acc, part_ml, out, query_start_loc,
+            num_seqs, num_splits, num_heads, head_dim, out.stride(0), out.stride(1),
+            SPLITS_PAD=triton.next_power_of_2(num_splits), DIM_PAD=head_dim, num_warps=4,
+            **pdl,
+        )
+    return out
