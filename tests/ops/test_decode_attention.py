@@ -85,12 +85,13 @@ def reference(step, heads, kv_heads, dim, q_w=None, k_w=None):
     return out, cache
 
 
-def run(step, heads, num_splits, q_w=None, k_w=None):
+def run(step, heads, num_splits, q_w=None, k_w=None, min_tiles=1):
     cache = step["kv_cache"].clone()
-    args = {key: val for key, val in step.items() if key != "kv_cache"}
+    args = {key: val for key, val in step.items() if key not in ("kv_cache", "query_start_loc")}
     out = decode_attention(kv_cache=cache, num_heads=heads, scale=1 / math.sqrt(cache.shape[-1]),
                            max_seq_len=int(step["seq_lens"].max()), num_splits=num_splits,
-                           q_norm_weight=q_w, k_norm_weight=k_w, eps=EPS, **args)
+                           q_norm_weight=q_w, k_norm_weight=k_w, eps=EPS,
+                           min_tiles_per_split=min_tiles, **args)
     return out, cache
 
 
@@ -100,9 +101,9 @@ SEQ_LENS = [150, 1, 0, 65, 64, 7]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("num_splits", [1, 3, 8])
+@pytest.mark.parametrize("num_splits,min_tiles", [(1, 1), (3, 1), (8, 1), (8, 2), (4, 3)])
 @pytest.mark.parametrize("qk_norm", [True, False], ids=["qwen3", "llama"])
-def test_matches_the_separate_kernels(dtype, num_splits, qk_norm):
+def test_matches_the_separate_kernels(dtype, num_splits, min_tiles, qk_norm):
     heads, kv_heads, dim, block_size = 4, 2, 32, 16
     step = make_step(SEQ_LENS, heads, kv_heads, dim, block_size, dtype)
     gen = torch.Generator().manual_seed(1)
@@ -111,7 +112,7 @@ def test_matches_the_separate_kernels(dtype, num_splits, qk_norm):
         q_w = (1 + 0.1 * torch.randn(dim, generator=gen)).to(DEVICE, dtype)
         k_w = (1 + 0.1 * torch.randn(dim, generator=gen)).to(DEVICE, dtype)
     ref, ref_cache = reference(step, heads, kv_heads, dim, q_w, k_w)
-    out, cache = run(step, heads, num_splits, q_w, k_w)
+    out, cache = run(step, heads, num_splits, q_w, k_w, min_tiles)
     tol = TOL[dtype]
     torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
     # the new keys (normed and rotated) and values landed where the separate write puts
@@ -147,6 +148,8 @@ def test_refusals_name_what_is_wrong():
     bad_pos = dict(step, positions=step["positions"][:1])
     with pytest.raises(ValueError, match="positions must be"):
         run(bad_pos, heads, 1)
+    with pytest.raises(ValueError, match="min_tiles_per_split must be at least 1"):
+        run(step, heads, 2, min_tiles=0)
     fp8 = torch.zeros(2, 4, 16, kv_heads, dim, dtype=FP8_KV_DTYPE, device=DEVICE)
     assert not supports(dim, fp8, torch.float32)
     assert not supports(96, step["kv_cache"], torch.float32)  # half of 96 is 48

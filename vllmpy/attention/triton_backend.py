@@ -64,7 +64,7 @@ class TritonAttentionBackend(AttentionBackend):
         n = qkv.shape[0]
         return fused_decode.decode_attention(
             qkv, positions[:n], cos_sin_cache, kv_cache, meta.slot_mapping[:n],
-            meta.query_start_loc, meta.seq_lens, meta.block_tables,
+            meta.seq_lens, meta.block_tables,
             num_heads=self.num_heads, scale=self.scale, max_seq_len=max_seq_len,
             q_norm_weight=q_norm_weight, k_norm_weight=k_norm_weight, eps=eps,
             num_splits=self.num_splits)

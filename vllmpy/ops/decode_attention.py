@@ -31,15 +31,15 @@ import triton
 import triton.language as tl
 
 from vllmpy.ops.checks import check_same_device
-from vllmpy.ops.paged_attention import (
-    _merge_splits_kernel,
-    choose_num_splits,
-    num_multiprocessors,
-)
+from vllmpy.ops.paged_attention import choose_num_splits, num_multiprocessors
 from vllmpy.ops.pdl import pdl_args, pdl_wait
 
 # keys per loop iteration, as paged_attention's decode launch takes them
 TILE_N = 64
+# Split-KV gives each split at least this many tiles of the request's keys: a shorter
+# request uses fewer of the launch's splits (the rest exit at once), and a request that
+# needs only one writes its output directly, so the merge has nothing to do for it.
+MIN_TILES_PER_SPLIT = 1
 
 
 @triton.jit
@@ -72,7 +72,8 @@ def _decode_attention_kernel(
     stride_c_kv, stride_c_blk, stride_c_slot, stride_c_head, stride_bt,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, TILE: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, SPLIT: tl.constexpr,
-    QK_NORM: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr,
+    MIN_TILES: tl.constexpr, QK_NORM: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     HALF: tl.constexpr = HEAD_DIM // 2
     seq = tl.program_id(0)
@@ -100,8 +101,12 @@ def _decode_attention_kernel(
     # from qkv by the program whose range holds it, the others come from the cache.
     last = seq_len - 1
     num_tiles = tl.cdiv(seq_len, TILE)
+    used = 1  # splits this request uses
     if SPLIT:
-        per_split = tl.cdiv(num_tiles, num_splits)
+        used = tl.minimum(num_splits, tl.maximum(tl.cdiv(num_tiles, MIN_TILES), 1))
+        if split >= used:
+            return
+        per_split = tl.cdiv(num_tiles, used)
         tile_lo = split * per_split
         tile_hi = tl.minimum(num_tiles, tile_lo + per_split)
     else:
@@ -161,7 +166,7 @@ def _decode_attention_kernel(
                + p_new.to(q1.dtype).to(tl.float32)[:, None] * v_new.to(tl.float32)[None, :])
         m_i = m_new
 
-    if SPLIT:
+    if used > 1:
         # partials: acc [num_tokens, num_heads, num_splits, HEAD_DIM], (m, l) [..., 2]
         part = (tok * num_heads + head) * num_splits + split  # [BLOCK_M]
         tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + dims[None, :], acc,
@@ -172,6 +177,36 @@ def _decode_attention_kernel(
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         tl.store(out_ptr + tok * stride_o_tok + head[:, None] * stride_o_head + dims[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+
+@triton.jit(do_not_specialize=["num_splits"])
+def _merge_kernel(part_acc_ptr, part_ml_ptr, out_ptr, seq_lens_ptr, num_splits, num_heads,
+                  stride_o_tok, stride_o_head, TILE: tl.constexpr, MIN_TILES: tl.constexpr,
+                  SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, PDL: tl.constexpr):
+    # One (request, query head): the softmax-weighted sum of the partials of the splits
+    # the request used; a request that used one split has its output already.
+    pdl_wait(PDL)
+    tok = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    num_tiles = tl.cdiv(tl.load(seq_lens_ptr + tok), TILE)
+    used = tl.minimum(num_splits, tl.maximum(tl.cdiv(num_tiles, MIN_TILES), 1))
+    if used == 1:
+        return
+    splits = tl.arange(0, SPLITS_PAD)
+    split_ok = splits < used
+    part = (tok * num_heads + head) * num_splits + splits  # [SPLITS_PAD]
+    m = tl.load(part_ml_ptr + part * 2, mask=split_ok, other=float("-inf"))
+    sums = tl.load(part_ml_ptr + part * 2 + 1, mask=split_ok, other=0.0)
+    m_max = tl.max(m, 0)
+    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
+    w = tl.exp2(m - m_max)  # [SPLITS_PAD]; a split that saw no key has m = -inf: weight 0
+    dims = tl.arange(0, HEAD_DIM)
+    acc = tl.load(part_acc_ptr + part[:, None] * HEAD_DIM + dims[None, :],
+                  mask=split_ok[:, None], other=0.0)  # [SPLITS_PAD, HEAD_DIM]
+    denom = tl.sum(sums * w, 0)
+    out = tl.sum(acc * w[:, None], 0) / tl.where(denom == 0.0, 1.0, denom)
+    tl.store(out_ptr + tok * stride_o_tok + head * stride_o_head + dims,
+             out.to(out_ptr.dtype.element_ty))
 
 
 def supports(head_dim: int, kv_cache: torch.Tensor, dtype: torch.dtype) -> bool:
@@ -185,20 +220,21 @@ def supports(head_dim: int, kv_cache: torch.Tensor, dtype: torch.dtype) -> bool:
 
 def decode_attention(qkv: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
                      kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
-                     query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
-                     block_tables: torch.Tensor, *, num_heads: int, scale: float,
+                     seq_lens: torch.Tensor, block_tables: torch.Tensor, *, num_heads: int, scale: float,
                      max_seq_len: int, q_norm_weight: torch.Tensor | None = None,
                      k_norm_weight: torch.Tensor | None = None, eps: float = 0.0,
-                     num_splits: int | None = None) -> torch.Tensor:
+                     num_splits: int | None = None,
+                     min_tiles_per_split: int = MIN_TILES_PER_SPLIT) -> torch.Tensor:
     """Attention output [num_seqs, num_heads, head_dim] of a decode step, one query token
-    per request (token i is request i's, as ``query_start_loc`` = arange says), from
+    per request (token i is request i's: a decode step's query_start_loc is arange), from
     ``qkv`` [num_seqs, (num_heads + 2 * num_kv_heads) * head_dim] (q, k, v packed, before
     rotary and any q/k norm). Stores each new key (normed and rotated) and value at its
     ``slot_mapping`` entry (a negative slot stores nothing). ``positions`` [num_seqs]
     index ``cos_sin_cache`` [max_position, head_dim] (cos, then sin). With
     ``q_norm_weight`` and ``k_norm_weight`` ([head_dim], of qkv's dtype) q and k get
     Qwen3's per-head RMSNorm (``eps``) first. ``max_seq_len`` and ``num_splits`` as in
-    ``paged_attention``."""
+    ``paged_attention``; a request uses at most one split per ``min_tiles_per_split``
+    tiles of its keys."""
     num_seqs = seq_lens.shape[0]
     if kv_cache.dim() != 5 or kv_cache.shape[0] != 2 or kv_cache.stride(-1) != 1:
         raise ValueError("kv_cache must be [2, num_blocks, block_size, num_kv_heads, "
@@ -218,7 +254,6 @@ def decode_attention(qkv: torch.Tensor, positions: torch.Tensor, cos_sin_cache: 
     for name, t, shape, dtypes in (
             ("positions", positions, (num_seqs,), (torch.int32, torch.int64)),
             ("slot_mapping", slot_mapping[:num_seqs], (num_seqs,), (torch.int32, torch.int64)),
-            ("query_start_loc", query_start_loc, (num_seqs + 1,), (torch.int32,)),
             ("block_tables", block_tables, (num_seqs, block_tables.shape[-1]), (torch.int32,)),
             ("seq_lens", seq_lens, (num_seqs,), (torch.int32,))):
         if tuple(t.shape) != shape or t.dtype not in dtypes:
@@ -250,6 +285,8 @@ def decode_attention(qkv: torch.Tensor, positions: torch.Tensor, cos_sin_cache: 
                                        num_multiprocessors(qkv.device))
     if num_splits < 1:
         raise ValueError(f"num_splits must be at least 1, got {num_splits}")
+    if min_tiles_per_split < 1:
+        raise ValueError(f"min_tiles_per_split must be at least 1, got {min_tiles_per_split}")
     if num_splits > 1:
         part_acc = torch.empty((num_seqs, num_heads, num_splits, head_dim),
                                dtype=torch.float32, device=qkv.device)
@@ -268,15 +305,16 @@ def decode_attention(qkv: torch.Tensor, positions: torch.Tensor, cos_sin_cache: 
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         block_tables.stride(0),
         GROUP=group, BLOCK_M=max(16, triton.next_power_of_2(group)), TILE=TILE_N,
-        HEAD_DIM=head_dim, BLOCK_SIZE=block_size, SPLIT=num_splits > 1, QK_NORM=qk_norm,
+        HEAD_DIM=head_dim, BLOCK_SIZE=block_size, SPLIT=num_splits > 1,
+        MIN_TILES=min_tiles_per_split, QK_NORM=qk_norm,
         DOT_PRECISION="ieee" if qkv.dtype == torch.float32 else "tf32",
         num_warps=4, num_stages=3, **pdl,
     )
     if num_splits > 1:
-        _merge_splits_kernel[(num_seqs, num_heads)](
-            part_acc, part_ml, out, query_start_loc,
-            num_seqs, num_splits, num_heads, head_dim, out.stride(0), out.stride(1),
-            SPLITS_PAD=triton.next_power_of_2(num_splits), DIM_PAD=head_dim, num_warps=4,
+        _merge_kernel[(num_seqs, num_heads)](
+            part_acc, part_ml, out, seq_lens, num_splits, num_heads,
+            out.stride(0), out.stride(1), TILE=TILE_N, MIN_TILES=min_tiles_per_split,
+            SPLITS_PAD=triton.next_power_of_2(num_splits), HEAD_DIM=head_dim, num_warps=4,
             **pdl,
         )
     return out
