@@ -214,3 +214,41 @@ def test_core_exits_when_its_frontend_is_killed(tmp_path):
     while not _process_gone(pid) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert _process_gone(pid), f"engine core {pid} outlived its frontend"
+
+
+MAIN_IMPORT_SCRIPT = """
+import os, sys
+
+if __name__ != "__main__":  # imported again, as a spawn child's __mp_main__
+    with open(os.environ["MAIN_MARKER"], "w") as f:
+        f.write(__name__)
+
+if __name__ == "__main__":
+    from vllmpy.config import EngineArgs
+    from vllmpy.engine.configure import build_engine_config
+    from vllmpy.engine.mp_client import AsyncMPClient
+    from vllmpy.loader.source import resolve_model_source
+
+    source = resolve_model_source(sys.argv[1], load_format="dummy")
+    config = build_engine_config(EngineArgs(model=sys.argv[1], load_format="dummy",
+                                            device="cpu", num_blocks=16, max_model_len=256),
+                                 source)
+    client = AsyncMPClient(config, source)
+    file_kept = __file__  # the main module's own attributes are back after the start
+    client.wait_until_ready()
+    client.shutdown()
+    print("ok", file_kept == sys.argv[0], flush=True)
+"""
+
+
+def test_the_core_process_does_not_import_the_frontends_main_module(tmp_path):
+    tiny_source_and_config(tmp_path)  # writes config.json
+    script = tmp_path / "frontend.py"
+    script.write_text(MAIN_IMPORT_SCRIPT)
+    marker = tmp_path / "imported"
+    out = subprocess.run([sys.executable, str(script), str(tmp_path)], capture_output=True,
+                         text=True, timeout=120,
+                         env=dict(os.environ, MAIN_MARKER=str(marker)))
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["ok", "True"]
+    assert not marker.exists()

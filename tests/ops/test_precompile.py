@@ -112,3 +112,20 @@ def test_recorded_variants_compile_in_workers_and_load_from_the_cache(tmp_path, 
     torch.cuda.synchronize()
     assert hits == [True, True]  # both loaded from what the workers wrote
     assert torch.equal(y, x + 1)
+
+
+def test_workers_started_early_are_handed_over_once(monkeypatch):
+    from vllmpy.ops import precompile
+
+    monkeypatch.setenv("VT_COMPILE_WORKERS", "0")
+    precompile.start_early()
+    assert precompile.take_started() is None  # none asked for, none started
+    monkeypatch.setenv("VT_COMPILE_WORKERS", "1")
+    precompile.start_early()
+    compiler = precompile.take_started()
+    try:
+        assert isinstance(compiler, KernelCompiler) and compiler.num_workers == 1
+        assert precompile.take_started() is None
+    finally:
+        compiler.close()
+    assert all(p.poll() is not None for p in compiler._procs)

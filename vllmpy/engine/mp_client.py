@@ -10,9 +10,12 @@ import contextlib
 import itertools
 import multiprocessing
 import os
+import pickle
 import shutil
+import sys
 import tempfile
 import weakref
+from collections.abc import Iterator
 from typing import Any
 
 import zmq
@@ -20,7 +23,7 @@ import zmq.asyncio
 
 from vllmpy.config import EngineConfig
 from vllmpy.core.sched_output import EngineCoreOutputs
-from vllmpy.engine import core_proc
+from vllmpy.engine import core_launch, core_proc
 from vllmpy.engine.core import EngineCoreRequest
 from vllmpy.engine.core_client import EngineDeadError, EngineStartupError
 from vllmpy.loader.source import ModelSource
@@ -50,10 +53,14 @@ class AsyncMPClient:
         output_addr = f"ipc://{os.path.join(self._ipc_dir, 'output')}"
         mp = multiprocessing.get_context("spawn")
         self._ready_conn, child_conn = mp.Pipe(duplex=False)
+        # A light target with the config pickled as bytes: the child starts its compile
+        # workers before importing torch (see vllmpy.engine.core_launch).
         self.proc = mp.Process(
-            target=core_proc.run_engine_core, name="vllmpy-engine-core", daemon=True,
-            args=(config, source, input_addr, output_addr, child_conn))
-        self.proc.start()
+            target=core_launch.run, name="vllmpy-engine-core", daemon=True,
+            args=(pickle.dumps((config, source)), config.device, input_addr, output_addr,
+                  child_conn))
+        with _main_module_hidden():
+            self.proc.start()
         child_conn.close()
         self.ctx = zmq.asyncio.Context()
         # The frontend connects: a connecting PUSH socket queues messages even before (or
@@ -197,6 +204,29 @@ class AsyncMPClient:
         for future in self._pending_calls.values():
             if not future.done():
                 future.set_exception(error)
+
+
+@contextlib.contextmanager
+def _main_module_hidden() -> Iterator[None]:
+    """Start a spawn child without it importing this process's main module.
+
+    ``spawn`` makes the child import the parent's ``__main__`` (by module name or by path)
+    so that objects pickled from it resolve. The engine core needs nothing from it (its
+    target and arguments are vllmpy's), and for the server that import is the whole web
+    stack, seconds of the core's start-up. multiprocessing reads ``__spec__`` and
+    ``__file__`` of the main module while ``start()`` prepares the child; without them it
+    leaves the child's main alone."""
+    main = sys.modules["__main__"]
+    saved = {name: getattr(main, name) for name in ("__spec__", "__file__")
+             if hasattr(main, name)}
+    main.__spec__ = None
+    if "__file__" in saved:
+        del main.__file__
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(main, name, value)
 
 
 def _stop_core(proc: multiprocessing.process.BaseProcess, ctx: zmq.Context,

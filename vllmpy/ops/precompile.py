@@ -214,6 +214,25 @@ class KernelCompiler:
                         stream.close()
 
 
+_started: KernelCompiler | None = None  # workers started early, until taken
+
+
+def start_early() -> None:
+    """Start this process's compile workers now (``default_num_workers()`` of them), ahead
+    of its own heavy imports, for ``take_started()`` to hand over later."""
+    global _started
+    workers = default_num_workers()
+    if _started is None and workers:
+        _started = KernelCompiler(workers)
+
+
+def take_started() -> KernelCompiler | None:
+    """The workers ``start_early`` started, once; None if it did not."""
+    global _started
+    compiler, _started = _started, None
+    return compiler
+
+
 def _preload(module: str, qualname: str, specialization: str) -> str:
     """Compile one variant into this process's kernels and Triton's disk cache (or load it
     from there); returns "" or the error."""

@@ -24,7 +24,12 @@ from vllmpy.loader.load_stats import LoadStats
 from vllmpy.loader.source import ModelSource, iter_checkpoint_weights
 from vllmpy.models.interface import CausalLM
 from vllmpy.models.registry import resolve_model_class
-from vllmpy.ops.precompile import KernelCompiler, default_num_workers, record_variants
+from vllmpy.ops.precompile import (
+    KernelCompiler,
+    default_num_workers,
+    record_variants,
+    take_started,
+)
 from vllmpy.sample.logprobs import (
     PromptChunk,
     PromptLogprobsPlan,
@@ -196,8 +201,12 @@ class ModelRunner:
                 self._capture_graphs()
 
     def _start_kernel_compiler(self) -> None:
-        workers = default_num_workers()
-        self._compiler = KernelCompiler(workers) if workers else None
+        """The compile workers: those the engine-core process started before its imports
+        (vllmpy.engine.core_launch), or new ones."""
+        self._compiler = take_started()
+        if self._compiler is None:
+            workers = default_num_workers()
+            self._compiler = KernelCompiler(workers) if workers else None
 
     @torch.inference_mode()
     def compile_kernels(self) -> None:
