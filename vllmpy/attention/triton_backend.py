@@ -14,7 +14,9 @@ class TritonAttentionBackend(AttentionBackend):
     """Same contract and results as ``TorchReferenceBackend``, in two launches per layer
     (one when the caller stored the keys and values itself):
     ``reshape_and_cache`` stores the step's keys and values, ``paged_attention`` attends
-    over the whole mixed batch (split-KV for long decodes). An fp8 cache is written
+    over the whole mixed batch (split-KV for long decodes). A pure decode step can also
+    start from the packed qkv (``decode_from_qkv``): rotary, the write and attention in
+    one launch. An fp8 cache is written
     quantized with the layer's ``k_scale``/``v_scale`` and read back through them.
 
     Slots below zero in ``meta.slot_mapping`` are padding rows and are not stored; query
