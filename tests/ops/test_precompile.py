@@ -129,3 +129,12 @@ def test_workers_started_early_are_handed_over_once(monkeypatch):
     finally:
         compiler.close()
     assert all(p.poll() is not None for p in compiler._procs)
+
+
+def test_a_worker_that_dies_leaves_its_variants_reported_not_hanging():
+    compiler = KernelCompiler(1)
+    compiler._procs[0].kill()
+    bad = KernelVariant("vllmpy.ops.fused", "_rms_norm_kernel", "{}")
+    report = compiler.compile([bad], in_process=False)
+    assert (report.here, report.in_workers) == (0, 0)
+    assert report.failed[-1] == "_rms_norm_kernel: no worker left"

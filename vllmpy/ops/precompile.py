@@ -144,8 +144,9 @@ class KernelCompiler:
             while todo or busy:
                 while todo and idle:
                     i = idle.pop()
-                    busy[i] = todo.pop(0)
-                    self._send(i, busy[i])
+                    if self._send(i, todo[0]):
+                        busy[i] = todo.pop(0)
+                    # else the worker is gone: its output ends, and the loop drops it
                 if not todo and not busy:
                     break
                 if todo and in_process:  # no worker free: compile the next one here
@@ -188,12 +189,17 @@ class KernelCompiler:
                              time.perf_counter() - start,
                              f"{slowest[1]} {slowest[0]:.2f} s" if slowest[1] else "")
 
-    def _send(self, i: int, variant: KernelVariant) -> None:
+    def _send(self, i: int, variant: KernelVariant) -> bool:
+        """Hand ``variant`` to worker ``i``; False if that worker has exited."""
         stdin = self._procs[i].stdin
         assert stdin is not None
-        stdin.write(json.dumps({"module": variant.module, "qualname": variant.qualname,
-                                "specialization": variant.specialization}) + "\n")
-        stdin.flush()
+        try:
+            stdin.write(json.dumps({"module": variant.module, "qualname": variant.qualname,
+                                    "specialization": variant.specialization}) + "\n")
+            stdin.flush()
+        except OSError:  # a broken pipe
+            return False
+        return True
 
     def close(self) -> None:
         """End the workers: those still importing or waiting are stopped (a worker only
