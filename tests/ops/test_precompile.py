@@ -138,3 +138,21 @@ def test_a_worker_that_dies_leaves_its_variants_reported_not_hanging():
     report = compiler.compile([bad], in_process=False)
     assert (report.here, report.in_workers) == (0, 0)
     assert report.failed[-1] == "_rms_norm_kernel: no worker left"
+
+
+def test_workers_that_cannot_start_are_refused_with_none_left_behind(monkeypatch):
+    import subprocess
+
+    started = []
+    real_popen = subprocess.Popen
+
+    def popen(*args, **kwargs):
+        if started:
+            raise OSError("Resource temporarily unavailable")
+        started.append(real_popen(*args, **kwargs))
+        return started[-1]
+
+    monkeypatch.setattr(subprocess, "Popen", popen)
+    with pytest.raises(OSError, match="Resource temporarily unavailable"):
+        KernelCompiler(3)
+    assert len(started) == 1 and started[0].poll() is not None  # the first one was ended

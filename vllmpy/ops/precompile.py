@@ -116,12 +116,16 @@ class KernelCompiler:
             raise ValueError(f"KernelCompiler needs at least one worker, got {num_workers}")
         # the workers import what this process imports: its module search path
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p or os.getcwd() for p in sys.path))
-        self._procs = [
-            subprocess.Popen([sys.executable, "-m", "vllmpy.ops.precompile"], env=env,
-                             stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                             stderr=subprocess.DEVNULL, text=True, bufsize=1)
-            for _ in range(num_workers)
-        ]
+        self._procs: list[subprocess.Popen] = []
+        try:
+            for _ in range(num_workers):
+                self._procs.append(subprocess.Popen(
+                    [sys.executable, "-m", "vllmpy.ops.precompile"], env=env,
+                    stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                    stderr=subprocess.DEVNULL, text=True, bufsize=1))
+        except OSError:  # no more processes: end the ones started, and say so
+            self.close()
+            raise
 
     @property
     def num_workers(self) -> int:
@@ -229,7 +233,9 @@ def start_early() -> None:
     global _started
     workers = default_num_workers()
     if _started is None and workers:
-        _started = KernelCompiler(workers)
+        # on failure the engine tries again at its model load, and reports the error there
+        with contextlib.suppress(OSError):
+            _started = KernelCompiler(workers)
 
 
 def take_started() -> KernelCompiler | None:

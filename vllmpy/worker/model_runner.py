@@ -204,9 +204,13 @@ class ModelRunner:
         """The compile workers: those the engine-core process started before its imports
         (vllmpy.engine.core_launch), or new ones."""
         self._compiler = take_started()
-        if self._compiler is None:
-            workers = default_num_workers()
-            self._compiler = KernelCompiler(workers) if workers else None
+        workers = default_num_workers()
+        if self._compiler is None and workers:
+            try:
+                self._compiler = KernelCompiler(workers)
+            except OSError as e:
+                log(f"Triton kernels: could not start {workers} compile worker processes "
+                    f"({e}); each kernel compiles at its first launch")
 
     @torch.inference_mode()
     def compile_kernels(self) -> None:
