@@ -31,7 +31,16 @@ import triton
 import triton.language as tl
 
 from vllmpy.ops.checks import check_same_device
-from vllmpy.ops.paged_attention import choose_num_splits, num_multiprocessors
+from vllmpy.ops.fused import norm_rotate_halves
+from vllmpy.ops.paged_attention import (
+    choose_num_splits,
+    key_offsets,
+    merge_partials,
+    num_multiprocessors,
+    online_softmax,
+    store_normalized,
+    store_partial,
+)
 from vllmpy.ops.pdl import pdl_args, pdl_wait
 
 # keys per loop iteration, as paged_attention's decode launch takes them
@@ -40,27 +49,6 @@ TILE_N = 64
 # request uses fewer of the launch's splits (the rest exit at once), and a request that
 # needs only one writes its output directly, so the merge has nothing to do for it.
 MIN_TILES_PER_SPLIT = 1
-
-
-@triton.jit
-def _norm_rotate(x1, x2, w_ptr, cos, sin, eps, HEAD_DIM: tl.constexpr,
-                 QK_NORM: tl.constexpr):
-    # Two halves [rows, HEAD_DIM // 2] of some heads (in the model's dtype) -> the same,
-    # rotated; first an RMSNorm over each head with weight w when QK_NORM, rounded where
-    # rms_norm rounds it (as vllmpy.ops.fused's q/k norm + rotary kernel).
-    HALF: tl.constexpr = HEAD_DIM // 2
-    ty = x1.dtype
-    a = x1.to(tl.float32)
-    b = x2.to(tl.float32)
-    if QK_NORM:
-        var = (tl.sum(a * a, axis=1) + tl.sum(b * b, axis=1)) / HEAD_DIM
-        inv = tl.math.rsqrt(var + eps)[:, None]
-        dims = tl.arange(0, HALF)[None, :]
-        w1 = tl.load(w_ptr + dims).to(tl.float32)
-        w2 = tl.load(w_ptr + HALF + dims).to(tl.float32)
-        a = (w1 * (a * inv).to(ty).to(tl.float32)).to(ty).to(tl.float32)
-        b = (w2 * (b * inv).to(ty).to(tl.float32)).to(ty).to(tl.float32)
-    return (a * cos - b * sin).to(ty), (b * cos + a * sin).to(ty)
 
 
 @triton.jit(do_not_specialize=["num_splits", "stride_bt"])
@@ -95,7 +83,7 @@ def _decode_attention_kernel(
     q_off = head[:, None] * HEAD_DIM + half[None, :]  # [BLOCK_M, HALF]
     q1 = tl.load(src + q_off, mask=row_ok[:, None], other=0.0)
     q2 = tl.load(src + q_off + HALF, mask=row_ok[:, None], other=0.0)
-    q1, q2 = _norm_rotate(q1, q2, qw_ptr, cos, sin, eps, HEAD_DIM, QK_NORM)
+    q1, q2 = norm_rotate_halves(q1, q2, qw_ptr, cos, sin, eps, HEAD_DIM, HALF, QK_NORM)
 
     # This program's tiles of the request's keys; the last key (the new token) is taken
     # from qkv by the program whose range holds it, the others come from the cache.
@@ -121,9 +109,8 @@ def _decode_attention_kernel(
     for tile in range(tile_lo, tile_hi):
         key_pos = tile * TILE + cols  # [TILE]
         key_ok = key_pos < last
-        block = tl.load(table_row + key_pos // BLOCK_SIZE, mask=key_ok, other=0).to(tl.int64)
-        key_off = (block * stride_c_blk + (key_pos % BLOCK_SIZE) * stride_c_slot
-                   + kv_head * stride_c_head)  # [TILE]
+        key_off = key_offsets(table_row, key_pos, key_ok, kv_head, stride_c_blk,
+                              stride_c_slot, stride_c_head, BLOCK_SIZE)  # [TILE]
         k1 = tl.load(cache_ptr + key_off[None, :] + half[:, None], mask=key_ok[None, :],
                      other=0.0)  # [HALF, TILE]
         k2 = tl.load(cache_ptr + key_off[None, :] + HALF + half[:, None],
@@ -131,11 +118,7 @@ def _decode_attention_kernel(
         s = tl.dot(q1, k1, input_precision=DOT_PRECISION)
         s = tl.dot(q2, k2, acc=s, input_precision=DOT_PRECISION) * scale_log2
         s = tl.where(key_ok[None, :], s, float("-inf"))  # [BLOCK_M, TILE]
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw no key yet
-        p = tl.exp2(s - m_safe[:, None])
-        alpha = tl.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
+        p, alpha, m_new, l_i = online_softmax(s, m_i, l_i)
         v = tl.load(cache_ptr + stride_c_kv + key_off[:, None] + dims[None, :],
                     mask=key_ok[:, None], other=0.0)  # [TILE, HEAD_DIM]
         acc = acc * alpha[:, None] + tl.dot(p.to(q1.dtype), v, input_precision=DOT_PRECISION)
@@ -145,8 +128,8 @@ def _decode_attention_kernel(
     if (seq_len > 0) & (last_tile >= tile_lo) & (last_tile < tile_hi):
         # the new token: its key normalized and rotated, and its value, from qkv
         k_src = src + (num_heads + kv_head) * HEAD_DIM + half[None, :]  # [1, HALF]
-        k1n, k2n = _norm_rotate(tl.load(k_src), tl.load(k_src + HALF), kw_ptr, cos, sin,
-                                eps, HEAD_DIM, QK_NORM)
+        k1n, k2n = norm_rotate_halves(tl.load(k_src), tl.load(k_src + HALF), kw_ptr, cos,
+                                      sin, eps, HEAD_DIM, HALF, QK_NORM)
         v_new = tl.load(src + (num_heads + num_kv_heads + kv_head) * HEAD_DIM + dims)
         slot = tl.load(slot_ptr + tok).to(tl.int64)
         if slot >= 0:  # a negative slot is padding: nothing to store
@@ -157,26 +140,19 @@ def _decode_attention_kernel(
             tl.store(dst + stride_c_kv + dims, v_new)
         s_new = (tl.sum(q1.to(tl.float32) * k1n.to(tl.float32), 1)
                  + tl.sum(q2.to(tl.float32) * k2n.to(tl.float32), 1)) * scale_log2
-        m_new = tl.maximum(m_i, s_new)  # finite: s_new is
-        p_new = tl.exp2(s_new - m_new)
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + p_new
+        p, alpha, m_new, l_i = online_softmax(s_new[:, None], m_i, l_i)  # p: [BLOCK_M, 1]
         # p rounds to the model's dtype before it weighs the value, as in the tiles' dot
         acc = (acc * alpha[:, None]
-               + p_new.to(q1.dtype).to(tl.float32)[:, None] * v_new.to(tl.float32)[None, :])
+               + p.to(q1.dtype).to(tl.float32) * v_new.to(tl.float32)[None, :])
         m_i = m_new
 
     if used > 1:
         # partials: acc [num_tokens, num_heads, num_splits, HEAD_DIM], (m, l) [..., 2]
         part = (tok * num_heads + head) * num_splits + split  # [BLOCK_M]
-        tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + dims[None, :], acc,
-                 mask=row_ok[:, None])
-        tl.store(part_ml_ptr + part * 2, m_i, mask=row_ok)
-        tl.store(part_ml_ptr + part * 2 + 1, l_i, mask=row_ok)
+        store_partial(part_acc_ptr, part_ml_ptr, part, acc, m_i, l_i, row_ok, HEAD_DIM)
     else:
-        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-        tl.store(out_ptr + tok * stride_o_tok + head[:, None] * stride_o_head + dims[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+        store_normalized(out_ptr, tok * stride_o_tok + head * stride_o_head, acc, l_i,
+                         row_ok[:, None], HEAD_DIM)
 
 
 @triton.jit(do_not_specialize=["num_splits"])
@@ -192,21 +168,9 @@ def _merge_kernel(part_acc_ptr, part_ml_ptr, out_ptr, seq_lens_ptr, num_splits, 
     used = tl.minimum(num_splits, tl.maximum(tl.cdiv(num_tiles, MIN_TILES), 1))
     if used == 1:
         return
-    splits = tl.arange(0, SPLITS_PAD)
-    split_ok = splits < used
-    part = (tok * num_heads + head) * num_splits + splits  # [SPLITS_PAD]
-    m = tl.load(part_ml_ptr + part * 2, mask=split_ok, other=float("-inf"))
-    sums = tl.load(part_ml_ptr + part * 2 + 1, mask=split_ok, other=0.0)
-    m_max = tl.max(m, 0)
-    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
-    w = tl.exp2(m - m_max)  # [SPLITS_PAD]; a split that saw no key has m = -inf: weight 0
-    dims = tl.arange(0, HEAD_DIM)
-    acc = tl.load(part_acc_ptr + part[:, None] * HEAD_DIM + dims[None, :],
-                  mask=split_ok[:, None], other=0.0)  # [SPLITS_PAD, HEAD_DIM]
-    denom = tl.sum(sums * w, 0)
-    out = tl.sum(acc * w[:, None], 0) / tl.where(denom == 0.0, 1.0, denom)
-    tl.store(out_ptr + tok * stride_o_tok + head * stride_o_head + dims,
-             out.to(out_ptr.dtype.element_ty))
+    merge_partials(part_acc_ptr, part_ml_ptr, out_ptr, tok, head, num_heads, num_splits,
+                   used, tok * stride_o_tok + head * stride_o_head, HEAD_DIM,
+                   SPLITS_PAD, HEAD_DIM)
 
 
 def supports(head_dim: int, kv_cache: torch.Tensor, dtype: torch.dtype) -> bool:

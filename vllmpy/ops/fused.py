@@ -130,19 +130,45 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,
 # ---- rotary_embedding ------------------------------------------------------------------
 
 @triton.jit
-def _rotate_heads(src, dst, cos, sin, num_heads,
-                  HEAD_DIM: tl.constexpr, HALF_PAD: tl.constexpr, HEADS_PAD: tl.constexpr):
-    # One token's heads, contiguous at src (read) and dst (written), as two halves of
-    # [HEADS_PAD, HALF_PAD] each; cos, sin: [1, HALF_PAD].
+def norm_rotate_halves(x1, x2, w_ptr, cos, sin, eps, HEAD_DIM: tl.constexpr,
+                       HALF_PAD: tl.constexpr, NORM: tl.constexpr):
+    """Rotary (NeoX halves) of some heads given as their two halves x1, x2 [rows,
+    HALF_PAD] (loaded in the model's dtype, 0 past HEAD_DIM // 2; cos, sin [1, HALF_PAD]
+    fp32); with NORM first an RMSNorm over each head with weight w, rounded where rms_norm
+    rounds it. Returns the two rotated halves in x1's dtype."""
+    ty = x1.dtype
+    a = x1.to(tl.float32)
+    b = x2.to(tl.float32)
+    if NORM:
+        var = (tl.sum(a * a, axis=1) + tl.sum(b * b, axis=1)) / HEAD_DIM  # [rows]
+        inv = tl.math.rsqrt(var + eps)[:, None]
+        dims = tl.arange(0, HALF_PAD)[None, :]
+        dim_ok = dims < HEAD_DIM // 2
+        w1 = tl.load(w_ptr + dims, mask=dim_ok, other=0.0).to(tl.float32)
+        w2 = tl.load(w_ptr + HEAD_DIM // 2 + dims, mask=dim_ok, other=0.0).to(tl.float32)
+        a = (w1 * (a * inv).to(ty).to(tl.float32)).to(ty).to(tl.float32)
+        b = (w2 * (b * inv).to(ty).to(tl.float32)).to(ty).to(tl.float32)
+    return (a * cos - b * sin).to(ty), (b * cos + a * sin).to(ty)
+
+
+@triton.jit
+def _rotate_heads(src, dst, w_ptr, cos, sin, num_heads, eps,
+                  HEAD_DIM: tl.constexpr, HALF_PAD: tl.constexpr, HEADS_PAD: tl.constexpr,
+                  NORM: tl.constexpr):
+    # One token's heads, contiguous at src (read) and dst (written, of src's dtype), as
+    # two halves of [HEADS_PAD, HALF_PAD] each through norm_rotate_halves; cos, sin:
+    # [1, HALF_PAD]. Returns the two rotated halves.
     heads = tl.arange(0, HEADS_PAD)[:, None]
     dims = tl.arange(0, HALF_PAD)[None, :]
     mask = (heads < num_heads) & (dims < HEAD_DIM // 2)
     first = heads * HEAD_DIM + dims  # [HEADS_PAD, HALF_PAD] offsets of the first halves
     second = first + HEAD_DIM // 2
-    x1 = tl.load(src + first, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(src + second, mask=mask, other=0.0).to(tl.float32)
-    tl.store(dst + first, (x1 * cos - x2 * sin).to(dst.dtype.element_ty), mask=mask)
-    tl.store(dst + second, (x2 * cos + x1 * sin).to(dst.dtype.element_ty), mask=mask)
+    y1, y2 = norm_rotate_halves(tl.load(src + first, mask=mask, other=0.0),
+                                tl.load(src + second, mask=mask, other=0.0),
+                                w_ptr, cos, sin, eps, HEAD_DIM, HALF_PAD, NORM)
+    tl.store(dst + first, y1, mask=mask)
+    tl.store(dst + second, y2, mask=mask)
+    return y1, y2
 
 
 @triton.jit
@@ -158,10 +184,10 @@ def _rotary_kernel(
     row = cache_ptr + pos * stride_cache
     cos = tl.load(row + dims, mask=dim_ok, other=0.0)[None, :]  # [1, HALF_PAD]
     sin = tl.load(row + HEAD_DIM // 2 + dims, mask=dim_ok, other=0.0)[None, :]
-    _rotate_heads(q_ptr + tok * stride_q, q_out_ptr + tok * num_q_heads * HEAD_DIM,
-                  cos, sin, num_q_heads, HEAD_DIM, HALF_PAD, HEADS_PAD)
-    _rotate_heads(k_ptr + tok * stride_k, k_out_ptr + tok * num_k_heads * HEAD_DIM,
-                  cos, sin, num_k_heads, HEAD_DIM, HALF_PAD, HEADS_PAD)
+    _rotate_heads(q_ptr + tok * stride_q, q_out_ptr + tok * num_q_heads * HEAD_DIM, q_ptr,
+                  cos, sin, num_q_heads, 0.0, HEAD_DIM, HALF_PAD, HEADS_PAD, False)
+    _rotate_heads(k_ptr + tok * stride_k, k_out_ptr + tok * num_k_heads * HEAD_DIM, k_ptr,
+                  cos, sin, num_k_heads, 0.0, HEAD_DIM, HALF_PAD, HEADS_PAD, False)
 
 
 def _check_rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
@@ -228,34 +254,6 @@ def rotary_embedding_ref(positions: torch.Tensor, q: torch.Tensor, k: torch.Tens
 # ---- qk_norm_rotary --------------------------------------------------------------------
 
 @triton.jit
-def _norm_rotate_heads(src, dst, w_ptr, cos, sin, num_heads, eps,
-                       HEAD_DIM: tl.constexpr, HALF_PAD: tl.constexpr,
-                       HEADS_PAD: tl.constexpr):
-    # As _rotate_heads, after an RMSNorm over each head rounded as rms_norm rounds it.
-    # Returns the two rotated halves ([HEADS_PAD, HALF_PAD] each, in dst's dtype).
-    heads = tl.arange(0, HEADS_PAD)[:, None]
-    dims = tl.arange(0, HALF_PAD)[None, :]
-    mask = (heads < num_heads) & (dims < HEAD_DIM // 2)
-    first = heads * HEAD_DIM + dims
-    second = first + HEAD_DIM // 2
-    x1 = tl.load(src + first, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(src + second, mask=mask, other=0.0).to(tl.float32)
-    var = (tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / HEAD_DIM  # [HEADS_PAD]
-    inv = tl.math.rsqrt(var + eps)[:, None]
-    dim_ok = dims < HEAD_DIM // 2
-    w1 = tl.load(w_ptr + dims, mask=dim_ok, other=0.0).to(tl.float32)
-    w2 = tl.load(w_ptr + HEAD_DIM // 2 + dims, mask=dim_ok, other=0.0).to(tl.float32)
-    ty = dst.dtype.element_ty
-    x1 = (w1 * (x1 * inv).to(ty).to(tl.float32)).to(ty).to(tl.float32)
-    x2 = (w2 * (x2 * inv).to(ty).to(tl.float32)).to(ty).to(tl.float32)
-    y1 = (x1 * cos - x2 * sin).to(ty)
-    y2 = (x2 * cos + x1 * sin).to(ty)
-    tl.store(dst + first, y1, mask=mask)
-    tl.store(dst + second, y2, mask=mask)
-    return y1, y2
-
-
-@triton.jit
 def _qk_norm_rotary_kernel(
     pos_ptr, q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, cache_ptr, q_out_ptr, k_out_ptr,
     kv_ptr, slot_ptr, num_slots,
@@ -272,11 +270,11 @@ def _qk_norm_rotary_kernel(
     row = cache_ptr + pos * stride_cache
     cos = tl.load(row + dims, mask=dim_ok, other=0.0)[None, :]
     sin = tl.load(row + HEAD_DIM // 2 + dims, mask=dim_ok, other=0.0)[None, :]
-    _norm_rotate_heads(q_ptr + tok * stride_q, q_out_ptr + tok * num_q_heads * HEAD_DIM,
-                       qw_ptr, cos, sin, num_q_heads, eps, HEAD_DIM, HALF_PAD, HEADS_PAD)
-    k1, k2 = _norm_rotate_heads(k_ptr + tok * stride_k,
-                                k_out_ptr + tok * num_k_heads * HEAD_DIM, kw_ptr, cos, sin,
-                                num_k_heads, eps, HEAD_DIM, HALF_PAD, HEADS_PAD)
+    _rotate_heads(q_ptr + tok * stride_q, q_out_ptr + tok * num_q_heads * HEAD_DIM,
+                  qw_ptr, cos, sin, num_q_heads, eps, HEAD_DIM, HALF_PAD, HEADS_PAD, True)
+    k1, k2 = _rotate_heads(k_ptr + tok * stride_k, k_out_ptr + tok * num_k_heads * HEAD_DIM,
+                           kw_ptr, cos, sin, num_k_heads, eps, HEAD_DIM, HALF_PAD, HEADS_PAD,
+                           True)
     if STORE_KV:
         # the rotated keys and the values into the paged cache, as reshape_and_cache stores
         # them; tokens past the slots, or on a negative slot (padding), store nothing

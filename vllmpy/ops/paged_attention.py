@@ -153,6 +153,70 @@ def reshape_and_cache_ref(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tens
 
 # ---- paged_attention -------------------------------------------------------------------
 
+# Pieces the attention kernels share (this module's and vllmpy.ops.decode_attention's).
+
+@triton.jit
+def key_offsets(table_row, key_pos, key_ok, kv_head, stride_c_blk, stride_c_slot,
+                stride_c_head, BLOCK_SIZE: tl.constexpr):
+    """Cache offsets [TILE] of one KV head's keys at positions key_pos of a request whose
+    block-table row is table_row (masked positions read block 0)."""
+    block = tl.load(table_row + key_pos // BLOCK_SIZE, mask=key_ok, other=0).to(tl.int64)
+    return block * stride_c_blk + (key_pos % BLOCK_SIZE) * stride_c_slot + kv_head * stride_c_head
+
+
+@triton.jit
+def online_softmax(s, m_i, l_i):
+    """One tile of scores s [rows, keys] (log2 domain, -inf where not visible) into the
+    running max m_i and sum l_i: returns (p, alpha, m_new, l_new), with acc to be scaled
+    by alpha before p's weighted values are added."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw no key yet
+    p = tl.exp2(s - m_safe[:, None])
+    alpha = tl.exp2(m_i - m_safe)
+    return p, alpha, m_new, l_i * alpha + tl.sum(p, 1)
+
+
+@triton.jit
+def store_partial(part_acc_ptr, part_ml_ptr, part, acc, m_i, l_i, row_ok,
+                  DIM_PAD: tl.constexpr):
+    """A split's unnormalised rows: acc at part_acc[part] ([..., DIM_PAD]), (m, l) at
+    part_ml[part] ([..., 2]); part [rows] indexes (token, head, split)."""
+    dims = tl.arange(0, DIM_PAD)
+    tl.store(part_acc_ptr + part[:, None] * DIM_PAD + dims[None, :], acc, mask=row_ok[:, None])
+    tl.store(part_ml_ptr + part * 2, m_i, mask=row_ok)
+    tl.store(part_ml_ptr + part * 2 + 1, l_i, mask=row_ok)
+
+
+@triton.jit
+def store_normalized(out_ptr, row_off, acc, l_i, mask, DIM_PAD: tl.constexpr):
+    """acc / l (0 where no key was seen) into out at row offsets row_off [rows]."""
+    dims = tl.arange(0, DIM_PAD)
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    tl.store(out_ptr + row_off[:, None] + dims[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=mask)
+
+
+@triton.jit
+def merge_partials(part_acc_ptr, part_ml_ptr, out_ptr, tok, head, num_heads, num_splits,
+                   used, out_off, head_dim, SPLITS_PAD: tl.constexpr, DIM_PAD: tl.constexpr):
+    """The softmax-weighted sum of the first ``used`` splits' partials of (tok, head),
+    stored at out + out_off."""
+    splits = tl.arange(0, SPLITS_PAD)
+    split_ok = splits < used
+    part = (tok * num_heads + head) * num_splits + splits  # [SPLITS_PAD]
+    m = tl.load(part_ml_ptr + part * 2, mask=split_ok, other=float("-inf"))
+    sums = tl.load(part_ml_ptr + part * 2 + 1, mask=split_ok, other=0.0)
+    m_max = tl.max(m, 0)
+    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
+    w = tl.exp2(m - m_max)  # [SPLITS_PAD]; a split that saw no key has m = -inf: weight 0
+    dims = tl.arange(0, DIM_PAD)
+    acc = tl.load(part_acc_ptr + part[:, None] * DIM_PAD + dims[None, :],
+                  mask=split_ok[:, None], other=0.0)  # [SPLITS_PAD, DIM_PAD]
+    denom = tl.sum(sums * w, 0)
+    out = tl.sum(acc * w[:, None], 0) / tl.where(denom == 0.0, 1.0, denom)  # [DIM_PAD]
+    tl.store(out_ptr + out_off + dims, out.to(out_ptr.dtype.element_ty), mask=dims < head_dim)
+
+
 # Batch-shaped integers (request count, split count, block-table width) change from step
 # to step; specializing on them (Triton does for the values 1 and multiples of 16) would
 # compile new variants in the middle of serving.
@@ -225,9 +289,8 @@ def _paged_attention_kernel(
     for tile in range(tile_lo, tile_hi):
         key_pos = tile * TILE_N + cols  # [TILE_N]
         key_ok = key_pos < kv_end
-        block = tl.load(table_row + key_pos // BLOCK_SIZE, mask=key_ok, other=0).to(tl.int64)
-        key_off = (block * stride_c_blk + (key_pos % BLOCK_SIZE) * stride_c_slot
-                   + kv_head * stride_c_head)  # [TILE_N]
+        key_off = key_offsets(table_row, key_pos, key_ok, kv_head, stride_c_blk,
+                              stride_c_slot, stride_c_head, BLOCK_SIZE)  # [TILE_N]
         k = tl.load(cache_ptr + key_off[None, :] + dims[:, None],
                     mask=key_ok[None, :] & dim_ok[:, None], other=0.0)  # [DIM_PAD, TILE_N]
         # An fp8 page converts straight to q's dtype (exact: e4m3 fits in bf16 and fp32);
@@ -236,11 +299,7 @@ def _paged_attention_kernel(
         # s: [BLOCK_M, TILE_N]
         visible = key_ok[None, :] & (key_pos[None, :] <= row_pos[:, None])
         s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw no key yet
-        p = tl.exp2(s - m_safe[:, None])
-        alpha = tl.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
+        p, alpha, m_new, l_i = online_softmax(s, m_i, l_i)
         v = tl.load(cache_ptr + stride_c_kv + key_off[:, None] + dims[None, :],
                     mask=key_ok[:, None] & dim_ok[None, :], other=0.0)  # [TILE_N, DIM_PAD]
         acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype),
@@ -252,15 +311,10 @@ def _paged_attention_kernel(
     if SPLIT:
         # partials: acc [num_tokens, num_heads, num_splits, DIM_PAD], (m, l) [..., 2]
         part = (row_tok * num_heads + row_head) * num_splits + split  # [BLOCK_M]
-        tl.store(part_acc_ptr + part[:, None] * DIM_PAD + dims[None, :], acc,
-                 mask=row_ok[:, None])
-        tl.store(part_ml_ptr + part * 2, m_i, mask=row_ok)
-        tl.store(part_ml_ptr + part * 2 + 1, l_i, mask=row_ok)
+        store_partial(part_acc_ptr, part_ml_ptr, part, acc, m_i, l_i, row_ok, DIM_PAD)
     else:
-        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-        tl.store(out_ptr + row_tok[:, None] * stride_o_tok + row_head[:, None] * stride_o_head
-                 + dims[None, :], out.to(out_ptr.dtype.element_ty),
-                 mask=row_ok[:, None] & dim_ok[None, :])
+        store_normalized(out_ptr, row_tok * stride_o_tok + row_head * stride_o_head, acc, l_i,
+                         row_ok[:, None] & dim_ok[None, :], DIM_PAD)
 
 
 @triton.jit(do_not_specialize=["num_seqs", "num_splits"])
@@ -274,21 +328,9 @@ def _merge_splits_kernel(
     head = tl.program_id(1)
     if tok >= tl.load(query_start_ptr + num_seqs):  # a padding row past the last request
         return
-    splits = tl.arange(0, SPLITS_PAD)
-    split_ok = splits < num_splits
-    part = (tok * num_heads + head) * num_splits + splits  # [SPLITS_PAD]
-    m = tl.load(part_ml_ptr + part * 2, mask=split_ok, other=float("-inf"))
-    sums = tl.load(part_ml_ptr + part * 2 + 1, mask=split_ok, other=0.0)
-    m_max = tl.max(m, 0)
-    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
-    w = tl.exp2(m - m_max)  # [SPLITS_PAD]; an empty split has m = -inf, so weight 0
-    dims = tl.arange(0, DIM_PAD)
-    acc = tl.load(part_acc_ptr + part[:, None] * DIM_PAD + dims[None, :],
-                  mask=split_ok[:, None], other=0.0)  # [SPLITS_PAD, DIM_PAD]
-    denom = tl.sum(sums * w, 0)
-    out = tl.sum(acc * w[:, None], 0) / tl.where(denom == 0.0, 1.0, denom)  # [DIM_PAD]
-    tl.store(out_ptr + tok * stride_o_tok + head * stride_o_head + dims,
-             out.to(out_ptr.dtype.element_ty), mask=dims < head_dim)
+    merge_partials(part_acc_ptr, part_ml_ptr, out_ptr, tok, head, num_heads, num_splits,
+                   num_splits, tok * stride_o_tok + head * stride_o_head, head_dim,
+                   SPLITS_PAD, DIM_PAD)
 
 
 @dataclass(frozen=True)
