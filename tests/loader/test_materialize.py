@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from vllmpy.worker.model_runner import _materialize
+from vllmpy.loader.materialize import materialize
 
 
 class Tied(nn.Module):
@@ -22,7 +22,7 @@ class Tied(nn.Module):
 def test_storage_dtype_and_ties():
     with torch.device("meta"):
         model = Tied()
-    _materialize(model, torch.device("cpu"), torch.bfloat16)
+    materialize(model, torch.device("cpu"), torch.bfloat16)
     params = dict(model.named_parameters(remove_duplicate=False))
     assert all(p.device.type == "cpu" and p.dtype == torch.bfloat16 for p in params.values())
     assert all(isinstance(p, nn.Parameter) for p in params.values())

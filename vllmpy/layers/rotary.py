@@ -92,6 +92,8 @@ class RotaryEmbedding(nn.Module):
             raise ValueError(f"rope_scaling type {kind!r} is not supported "
                              f"(supported: {', '.join(self.SUPPORTED_SCALING)})")
         self.scaling_kind = kind
+        # what the shared tables are keyed by, with the device
+        self._table_key = (head_dim, max_position, base, repr(rope_scaling))
 
     def _inv_freq(self) -> torch.Tensor:
         exponents = torch.arange(0, self.head_dim, 2, dtype=torch.int64).float() / self.head_dim
@@ -113,7 +115,7 @@ class RotaryEmbedding(nn.Module):
         return table
 
     def _settings(self, device: torch.device) -> tuple[Any, ...]:
-        return (self.head_dim, self.max_position, self.base, repr(self.rope_scaling), device)
+        return (*self._table_key, device)
 
     def _cos_sin(self) -> torch.Tensor:
         t = torch.arange(self.max_position, dtype=torch.float32)

@@ -21,6 +21,7 @@ from vllmpy.core.sched_output import (
 )
 from vllmpy.layers.attention import Attention
 from vllmpy.loader.load_stats import LoadStats
+from vllmpy.loader.materialize import materialize
 from vllmpy.loader.source import ModelSource, iter_checkpoint_weights
 from vllmpy.models.interface import CausalLM
 from vllmpy.models.registry import resolve_model_class
@@ -60,31 +61,6 @@ def _first_layers(model: nn.Module, n: int) -> Iterator[None]:
     finally:
         for m, layers in cut:
             m.layers = layers
-
-
-def _materialize(model: nn.Module, device: torch.device, dtype: torch.dtype) -> None:
-    """Give every parameter and buffer of a model built on the meta device uninitialised
-    storage on ``device``, the floating ones in ``dtype`` (what ``.to_empty(device=...)
-    .to(dtype)`` gives, without a float32 copy on the device, and without to_empty's
-    per-tensor cost of several ms on a meta tensor). Tied tensors stay tied."""
-    # id of a meta tensor -> (the meta tensor, kept alive so its id stays its own; its
-    # replacement)
-    made: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-
-    def replace(t: torch.Tensor, param: bool) -> torch.Tensor:
-        if id(t) not in made:
-            new = torch.empty(t.shape, device=device,
-                              dtype=dtype if t.is_floating_point() else t.dtype)
-            made[id(t)] = (t, nn.Parameter(new, requires_grad=t.requires_grad) if param else new)
-        return made[id(t)][1]
-
-    for module in model.modules():
-        for name, p in module._parameters.items():
-            if p is not None:
-                module._parameters[name] = replace(p, True)  # type: ignore[assignment]
-        for name, b in module._buffers.items():
-            if b is not None:
-                module._buffers[name] = replace(b, False)
 
 
 @dataclass
@@ -150,7 +126,7 @@ class ModelRunner:
             model_cls = resolve_model_class(mc.text_config.architectures)
             with torch.device("meta"):
                 model = model_cls(mc.text_config)
-            _materialize(model, self.device, mc.dtype)
+            materialize(model, self.device, mc.dtype)
         with stats.phase("weights"):
             if source.kind == "dummy":
                 self._load_dummy(model)
