@@ -173,19 +173,26 @@ def test_shutdown_leaves_no_process_and_no_socket_files(tmp_path):
     client.shutdown()  # idempotent
 
 
-ORPHAN_SCRIPT = """
-import os, signal, sys
-from vllmpy.config import EngineArgs
-from vllmpy.engine.configure import build_engine_config
-from vllmpy.engine.mp_client import AsyncMPClient
-from vllmpy.loader.source import resolve_model_source
+# Frontend scripts start the core of the tiny model whose directory is their argument.
+START_CLIENT = """
+def start_client(model_dir):
+    from vllmpy.config import EngineArgs
+    from vllmpy.engine.configure import build_engine_config
+    from vllmpy.engine.mp_client import AsyncMPClient
+    from vllmpy.loader.source import resolve_model_source
 
-if __name__ == "__main__":
-    source = resolve_model_source(sys.argv[1], load_format="dummy")
-    config = build_engine_config(EngineArgs(model=sys.argv[1], load_format="dummy",
+    source = resolve_model_source(model_dir, load_format="dummy")
+    config = build_engine_config(EngineArgs(model=model_dir, load_format="dummy",
                                             device="cpu", num_blocks=16, max_model_len=256),
                                  source)
-    client = AsyncMPClient(config, source)
+    return AsyncMPClient(config, source)
+"""
+
+ORPHAN_SCRIPT = START_CLIENT + """
+import os, signal, sys
+
+if __name__ == "__main__":
+    client = start_client(sys.argv[1])
     client.wait_until_ready()
     print(client.pid, flush=True)
     os.kill(os.getpid(), signal.SIGKILL)  # no shutdown, no atexit: the frontend just dies
@@ -216,7 +223,7 @@ def test_core_exits_when_its_frontend_is_killed(tmp_path):
     assert _process_gone(pid), f"engine core {pid} outlived its frontend"
 
 
-MAIN_IMPORT_SCRIPT = """
+MAIN_IMPORT_SCRIPT = START_CLIENT + """
 import os, sys
 
 if __name__ != "__main__":  # imported again, as a spawn child's __mp_main__
@@ -224,16 +231,7 @@ if __name__ != "__main__":  # imported again, as a spawn child's __mp_main__
         f.write(__name__)
 
 if __name__ == "__main__":
-    from vllmpy.config import EngineArgs
-    from vllmpy.engine.configure import build_engine_config
-    from vllmpy.engine.mp_client import AsyncMPClient
-    from vllmpy.loader.source import resolve_model_source
-
-    source = resolve_model_source(sys.argv[1], load_format="dummy")
-    config = build_engine_config(EngineArgs(model=sys.argv[1], load_format="dummy",
-                                            device="cpu", num_blocks=16, max_model_len=256),
-                                 source)
-    client = AsyncMPClient(config, source)
+    client = start_client(sys.argv[1])
     file_kept = __file__  # the main module's own attributes are back after the start
     client.wait_until_ready()
     client.shutdown()
