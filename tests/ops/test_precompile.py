@@ -120,6 +120,9 @@ def test_workers_started_early_are_handed_over_once(monkeypatch):
     monkeypatch.setenv("VT_COMPILE_WORKERS", "0")
     precompile.start_early()
     assert precompile.take_started() is None  # none asked for, none started
+    monkeypatch.setenv("VT_COMPILE_WORKERS", "many")
+    precompile.start_early()  # left for the model load to refuse, by name
+    assert precompile.take_started() is None
     monkeypatch.setenv("VT_COMPILE_WORKERS", "1")
     precompile.start_early()
     compiler = precompile.take_started()

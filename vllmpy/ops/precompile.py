@@ -231,10 +231,12 @@ def start_early() -> None:
     """Start this process's compile workers now (``default_num_workers()`` of them), ahead
     of its own heavy imports, for ``take_started()`` to hand over later."""
     global _started
-    workers = default_num_workers()
-    if _started is None and workers:
-        # on failure the engine tries again at its model load, and reports the error there
-        with contextlib.suppress(OSError):
+    # On a bad VT_COMPILE_WORKERS or no processes to spare, nothing starts here: the engine
+    # tries again at its model load, where the error reaches the frontend as a start-up
+    # failure (or a logged line).
+    with contextlib.suppress(OSError, ValueError):
+        workers = default_num_workers()
+        if _started is None and workers:
             _started = KernelCompiler(workers)
 
 
