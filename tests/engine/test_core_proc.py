@@ -13,9 +13,9 @@ import time
 import pytest
 import zmq
 
-from vllmpy.config import EngineArgs
+from vllmpy.config import ConfigError, EngineArgs
 from vllmpy.core.sched_output import EngineCoreOutput, EngineCoreOutputs, SchedulerStats
-from vllmpy.engine import core_proc
+from vllmpy.engine import core_launch, core_proc
 from vllmpy.engine.configure import build_engine_config
 from vllmpy.engine.core import EngineCore, EngineCoreRequest
 from vllmpy.engine.core_client import EngineStartupError
@@ -173,10 +173,47 @@ def test_shutdown_leaves_no_process_and_no_socket_files(tmp_path):
     client.shutdown()  # idempotent
 
 
+def test_a_core_started_from_arguments_sends_its_config_then_the_sized_pool(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(CONFIG))
+    args = EngineArgs(model=str(tmp_path), load_format="dummy", device="cpu", num_blocks=16,
+                      max_model_len=256)
+    client = AsyncMPClient.adopt(core_launch.launch(args, core_launch.probable_device("cpu")))
+    try:
+        config, source = client.wait_for_config()
+        assert (config.device, config.model.max_model_len) == ("cpu", 256)
+        assert source.path == str(tmp_path) and source.hf_config["hidden_size"] == 64
+        ready = client.wait_until_ready()
+        assert ready.cache.num_blocks == 16 and ready.model.max_model_len == 256
+        assert client.proc.is_alive()
+    finally:
+        client.shutdown()
+    assert not client.proc.is_alive() and not os.path.exists(client._ipc_dir)
+
+
+def test_a_config_the_core_refuses_is_raised_in_the_frontend(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(CONFIG))
+    args = EngineArgs(model=str(tmp_path), load_format="dummy", device="cpu", num_blocks=16,
+                      max_model_len=8192)  # the model has 4096 positions
+    client = AsyncMPClient.adopt(core_launch.launch(args, "cpu"))
+    with pytest.raises(ConfigError, match="max_position_embeddings"):
+        client.wait_for_config()
+    assert not client.proc.is_alive() and not os.path.exists(client._ipc_dir)
+
+
+def test_the_server_entry_starts_the_core_before_the_heavy_imports():
+    script = ("import sys; import vllmpy.entrypoints.openai.api_server; "
+              "print(sorted(m for m in ('torch', 'triton', 'fastapi', 'uvicorn', 'zmq') "
+              "if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
+
+
 # Frontend scripts start the core of the tiny model whose directory is their argument.
 START_CLIENT = """
 def start_client(model_dir):
-    from vllmpy.config import EngineArgs
+    from vllmpy.config import ConfigError, EngineArgs
     from vllmpy.engine.configure import build_engine_config
     from vllmpy.engine.mp_client import AsyncMPClient
     from vllmpy.loader.source import resolve_model_source

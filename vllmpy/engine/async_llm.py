@@ -18,6 +18,7 @@ from typing import Any
 
 from vllmpy.config import EngineArgs, EngineConfig, ModelConfig
 from vllmpy.core.sched_output import EngineCoreOutputs, SchedulerStats
+from vllmpy.engine import core_launch
 from vllmpy.engine.configure import build_engine_config
 from vllmpy.engine.core_client import (
     AsyncInprocClient,
@@ -85,31 +86,42 @@ class AsyncLLM:
         self._background: set[asyncio.Task[Any]] = set()
 
     @classmethod
-    def from_engine_args(cls, engine_args: EngineArgs, multiprocess: bool = True) -> AsyncLLM:
-        """Resolve the model and the config here (no weights), start the core, and load
-        the tokenizer while the core loads the model."""
+    def from_engine_args(cls, engine_args: EngineArgs, multiprocess: bool = True,
+                         launched: core_launch.CoreLaunch | None = None) -> AsyncLLM:
+        """Start the core and return once it is ready; the tokenizer loads here while the
+        core loads the model. In its own process (the default) the core is started from
+        the arguments, resolves the model and builds the config itself and sends them
+        here; ``launched`` is such a core started earlier (the server starts it before
+        importing torch). A bad argument raises what the config raised (ConfigError)."""
         args = engine_args
         stats = LoadStats()
-        with stats.phase("config"):
-            source = resolve_model_source(args.model, load_format=args.load_format,
-                                          revision=args.revision,
-                                          download_dir=args.download_dir)
-            config = build_engine_config(args, source)
-        client: AsyncMPClient | AsyncInprocClient | None = None
-        try:
-            if multiprocess:
-                client = AsyncMPClient(config, source)
+        if not multiprocess:
+            with stats.phase("config"):
+                source = resolve_model_source(args.model, load_format=args.load_format,
+                                              revision=args.revision,
+                                              download_dir=args.download_dir)
+                config = build_engine_config(args, source)
             with stats.phase("tokenizer"):
                 tokenizer = load_tokenizer(source, args.tokenizer_config,
                                            skip=args.skip_tokenizer_init)
             with stats.phase("engine_core"):
-                if isinstance(client, AsyncMPClient):
-                    client.wait_until_ready()
-                else:
-                    client = AsyncInprocClient(config, source)
+                client: AsyncMPClient | AsyncInprocClient = AsyncInprocClient(config, source)
+            stats.report()
+            config = client.engine_core.config  # with the KV pool sized
+            return cls(args, config, source, tokenizer, client)
+        if launched is None:
+            launched = core_launch.launch(args, core_launch.probable_device(args.device))
+        client = AsyncMPClient.adopt(launched)
+        try:
+            with stats.phase("config"):
+                config, source = client.wait_for_config()
+            with stats.phase("tokenizer"):
+                tokenizer = load_tokenizer(source, args.tokenizer_config,
+                                           skip=args.skip_tokenizer_init)
+            with stats.phase("engine_core"):
+                config = client.wait_until_ready()
         except BaseException:
-            if client is not None:
-                client.shutdown()
+            client.shutdown()
             raise
         stats.report()
         return cls(args, config, source, tokenizer, client)

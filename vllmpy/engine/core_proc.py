@@ -218,7 +218,7 @@ def run_engine_core(config: EngineConfig, source: ModelSource, input_addr: str,
         ready_conn.close()
         ctx.destroy(linger=0)
         sys.exit(1)
-    ready_conn.send(("ready", os.getpid()))
+    ready_conn.send(("ready", engine_core.config))
     ready_conn.close()
     try:
         EngineCoreProc(engine_core, input_socket, output_socket, parent_pid).run_busy_loop()

@@ -8,14 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-import multiprocessing
-import os
-import pickle
-import shutil
-import sys
-import tempfile
 import weakref
-from collections.abc import Iterator
 from typing import Any
 
 import zmq
@@ -31,8 +24,6 @@ from vllmpy.loader.source import ModelSource
 # How often the output reader checks that the core process is alive while no message
 # arrives; bounds how long a death goes unnoticed.
 DEATH_CHECK_MS = 250
-# How long shutdown waits for the core process after SIGTERM before SIGKILL.
-SHUTDOWN_GRACE_S = 5.0
 
 
 class AsyncMPClient:
@@ -48,30 +39,31 @@ class AsyncMPClient:
     """
 
     def __init__(self, config: EngineConfig, source: ModelSource) -> None:
-        self._ipc_dir = tempfile.mkdtemp(prefix="vllmpy-")
-        input_addr = f"ipc://{os.path.join(self._ipc_dir, 'input')}"
-        output_addr = f"ipc://{os.path.join(self._ipc_dir, 'output')}"
-        mp = multiprocessing.get_context("spawn")
-        self._ready_conn, child_conn = mp.Pipe(duplex=False)
-        # A light target with the config pickled as bytes: the child starts its compile
-        # workers before importing torch (see vllmpy.engine.core_launch).
-        self.proc = mp.Process(
-            target=core_launch.run, name="vllmpy-engine-core", daemon=True,
-            args=(pickle.dumps((config, source)), config.device, input_addr, output_addr,
-                  child_conn))
-        with _main_module_hidden():
-            self.proc.start()
-        child_conn.close()
+        """Start the core from a config built here."""
+        self._adopt(core_launch.launch((config, source), config.device))
+
+    @classmethod
+    def adopt(cls, launched: core_launch.CoreLaunch) -> AsyncMPClient:
+        """The client of a core already started (``core_launch.launch``), for instance
+        from the engine arguments before this process imported torch; its config comes
+        from ``wait_for_config()``."""
+        client = cls.__new__(cls)
+        client._adopt(launched)
+        return client
+
+    def _adopt(self, launched: core_launch.CoreLaunch) -> None:
+        self.proc = launched.proc
+        self._ready_conn = launched.conn
+        self._ipc_dir = launched.ipc_dir
         self.ctx = zmq.asyncio.Context()
         # The frontend connects: a connecting PUSH socket queues messages even before (or
         # after) the peer is there, so a send never hangs on a dead core.
         self.input_socket = self.ctx.socket(zmq.PUSH)
         self.input_socket.setsockopt(zmq.SNDHWM, 0)  # no limit: a send never waits
-        self.input_socket.connect(input_addr)
+        self.input_socket.connect(launched.input_addr)
         self.output_socket = self.ctx.socket(zmq.PULL)
-        self.output_socket.connect(output_addr)
-        self._finalizer = weakref.finalize(self, _stop_core, self.proc, self.ctx,
-                                           self._ipc_dir)
+        self.output_socket.connect(launched.output_addr)
+        self._finalizer = weakref.finalize(self, _stop_core, launched, self.ctx)
         self._outputs: asyncio.Queue[EngineCoreOutputs | BaseException] | None = None
         self._reader: asyncio.Task[None] | None = None
         self._pending_calls: dict[int, asyncio.Future[Any]] = {}
@@ -82,20 +74,28 @@ class AsyncMPClient:
     def pid(self) -> int | None:
         return self.proc.pid
 
-    def wait_until_ready(self) -> None:
+    def wait_for_config(self) -> tuple[EngineConfig, ModelSource]:
+        """The config and model source the core built from the engine arguments it was
+        started with; raises what building them raised there (ConfigError, ...)."""
         try:
-            while not self._ready_conn.poll(0.1):
-                if not self.proc.is_alive() and not self._ready_conn.poll(0):
-                    raise EngineStartupError(
-                        f"the engine core process exited with code {self.proc.exitcode} "
-                        "before it was ready")
-            try:
-                status, detail = self._ready_conn.recv()
-            except EOFError:
-                self.proc.join(SHUTDOWN_GRACE_S)
-                raise EngineStartupError(
-                    f"the engine core process exited with code {self.proc.exitcode} "
-                    "before it was ready") from None
+            status, detail = self._receive()
+            if status == "config_error":
+                raise detail
+            if status != "config":
+                raise EngineStartupError(f"the engine core failed to start: {detail}")
+        except BaseException:
+            self.shutdown()
+            raise
+        return detail
+
+    def wait_until_ready(self) -> EngineConfig:
+        """Block until the core has loaded; returns its config (with the KV pool sized)."""
+        try:
+            status, detail = self._receive()
+            while status == "config":  # started from arguments, config not asked for
+                status, detail = self._receive()
+            if status == "config_error":
+                raise detail
             if status != "ready":
                 raise EngineStartupError(f"the engine core failed to start: {detail}")
         except BaseException:
@@ -103,6 +103,22 @@ class AsyncMPClient:
             raise
         finally:
             self._ready_conn.close()
+        return detail
+
+    def _receive(self) -> tuple[str, Any]:
+        """The next start-up message from the core (see vllmpy.engine.core_launch)."""
+        while not self._ready_conn.poll(0.1):
+            if not self.proc.is_alive() and not self._ready_conn.poll(0):
+                raise EngineStartupError(
+                    f"the engine core process exited with code {self.proc.exitcode} "
+                    "before it was ready")
+        try:
+            return self._ready_conn.recv()
+        except EOFError:
+            self.proc.join(core_launch.SHUTDOWN_GRACE_S)
+            raise EngineStartupError(
+                f"the engine core process exited with code {self.proc.exitcode} "
+                "before it was ready") from None
 
     # ---- requests -------------------------------------------------------------------
 
@@ -206,38 +222,8 @@ class AsyncMPClient:
                 future.set_exception(error)
 
 
-@contextlib.contextmanager
-def _main_module_hidden() -> Iterator[None]:
-    """Start a spawn child without it importing this process's main module.
-
-    ``spawn`` makes the child import the parent's ``__main__`` (by module name or by path)
-    so that objects pickled from it resolve. The engine core needs nothing from it (its
-    target and arguments are vllmpy's), and for the server that import is the whole web
-    stack, seconds of the core's start-up. multiprocessing reads ``__spec__`` and
-    ``__file__`` of the main module while ``start()`` prepares the child; without them it
-    leaves the child's main alone."""
-    main = sys.modules["__main__"]
-    saved = {name: getattr(main, name) for name in ("__spec__", "__file__")
-             if hasattr(main, name)}
-    main.__spec__ = None
-    if "__file__" in saved:
-        del main.__file__
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            setattr(main, name, value)
-
-
-def _stop_core(proc: multiprocessing.process.BaseProcess, ctx: zmq.Context,
-               ipc_dir: str) -> None:
+def _stop_core(launched: core_launch.CoreLaunch, ctx: zmq.Context) -> None:
     """Stop the core process, close every socket and remove the socket files. Holds no
     reference to the client, so it can run from weakref.finalize and at exit."""
-    if proc.is_alive():
-        proc.terminate()
-        proc.join(SHUTDOWN_GRACE_S)
-    if proc.is_alive():
-        proc.kill()
-        proc.join(SHUTDOWN_GRACE_S)
+    launched.stop()
     ctx.destroy(linger=0)
-    shutil.rmtree(ipc_dir, ignore_errors=True)

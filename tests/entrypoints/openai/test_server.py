@@ -253,6 +253,10 @@ def test_server_flags(smollm_path):
     assert r.stderr.strip() == "server: unknown argument '--tensor-parallel-size'"
     r = run("--model", smollm_path, "--port", "0")
     assert r.returncode == 2 and "--port" in r.stderr
+    # refused by the config, which the engine core builds: the same one line and code
+    r = run("--model", smollm_path, "--max-model-len", "100000000")
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines()[-1].startswith("server: --max-model-len 100000000")
 
 
 def test_api_key_notices_and_keepalive(smollm_path):

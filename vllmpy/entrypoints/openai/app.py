@@ -1,0 +1,249 @@
+"""The OpenAI-compatible HTTP app over AsyncLLM: routes, error shapes, the request guard.
+
+Every failure answers in OpenAI's error shape. ``vllm-server`` (api_server.py) builds it
+once the engine is ready.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import sys
+import time
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.datastructures import Headers
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.cors import CORSMiddleware
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+import vllmpy
+from vllmpy.engine.async_llm import AsyncLLM
+from vllmpy.engine.configure import kv_cache_dtype_name
+from vllmpy.entrypoints.openai.cli_args import resolve_output_parsers
+from vllmpy.entrypoints.openai.errors import OpenAIError, error_body
+from vllmpy.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ModelCard,
+    ModelList,
+)
+from vllmpy.entrypoints.openai.serving_chat import ChatHandler
+from vllmpy.entrypoints.openai.serving_common import (
+    ClientDisconnected,
+    ServerContext,
+    parse_body,
+    until_disconnected,
+    with_keepalive,
+)
+from vllmpy.entrypoints.openai.serving_completion import CompletionHandler
+from vllmpy.entrypoints.openai.serving_tokenization import TokenizationHandler
+
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+class RequestGuard:
+    """Refuses a body over the size limit (413), then a /v1 request without the API key
+    (401). A plain ASGI middleware: Starlette's ``@app.middleware("http")`` would pass
+    every streamed chunk through an extra memory stream, which costs more than the rest
+    of a token's trip through the server."""
+
+    def __init__(self, app: ASGIApp, max_body_bytes: int, api_key: str | None) -> None:
+        self.app = app
+        self.max_body_bytes = max_body_bytes
+        self.api_key = api_key
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = Headers(scope=scope)
+        length = headers.get("content-length")
+        refusal = None
+        if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
+            refusal = _error(413, f"request body of {length} bytes exceeds the limit of "
+                                  f"{self.max_body_bytes} bytes")
+        elif (self.api_key and scope["path"].startswith("/v1") and scope["method"] != "OPTIONS"
+              and headers.get("authorization") != f"Bearer {self.api_key}"):
+            refusal = _error(401, "missing or wrong API key: send 'Authorization: Bearer <key>'")
+        if refusal is not None:
+            await refusal(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+
+def _error(status: int, message: str, param: str | None = None) -> JSONResponse:
+    return JSONResponse(error_body(status, message, param), status_code=status)
+
+
+def build_app(engine: AsyncLLM, args: argparse.Namespace, served_model_name: str) -> FastAPI:
+    tool_parser, reasoning_parser = resolve_output_parsers(
+        args, getattr(engine.tokenizer, "chat_template", None))
+    ctx = ServerContext(
+        engine=engine,
+        served_model_name=served_model_name,
+        max_model_len=engine.model_config.max_model_len,
+        force_include_usage=args.enable_force_include_usage,
+        default_chat_template_kwargs=({} if args.enable_thinking is None
+                                      else {"enable_thinking": args.enable_thinking}),
+        log_requests=args.log_requests,
+        log_outputs=args.enable_log_outputs,
+        max_log_len=args.max_log_len,
+        tool_parser=tool_parser,
+        reasoning_parser=reasoning_parser,
+    )
+    completions, chat = CompletionHandler(ctx), ChatHandler(ctx)
+    tokenization = TokenizationHandler(ctx)
+    metrics = None
+    if args.enable_metrics:
+        from vllmpy.metrics.prometheus import PrometheusStatLogger
+
+        metrics = PrometheusStatLogger(served_model_name, ctx.max_model_len)
+        engine.stat_listeners.append(metrics.listener)
+
+    app = FastAPI(title="vllmpy", version=vllmpy.__version__, docs_url=None, redoc_url=None)
+    if args.allowed_origins:
+        origins = [o.strip() for o in args.allowed_origins.split(",") if o.strip()]
+        app.add_middleware(CORSMiddleware, allow_origins=origins, allow_methods=["*"],
+                           allow_headers=["*"], allow_credentials=True)
+
+    app.add_middleware(RequestGuard, max_body_bytes=args.max_request_body_bytes,
+                       api_key=args.api_key)
+
+    @app.exception_handler(OpenAIError)
+    async def openai_error(_: Request, e: OpenAIError) -> JSONResponse:
+        return _error(e.status_code, e.message, e.param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
+        if e.status_code == 404:
+            return _error(404, f"no route {request.method} {request.url.path}")
+        if e.status_code == 405:
+            return _error(405, f"method {request.method} is not allowed on {request.url.path}")
+        return _error(e.status_code, str(e.detail))
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_: Request, e: RequestValidationError) -> JSONResponse:
+        return _error(400, f"invalid request: {e.errors()}")
+
+    @app.exception_handler(Exception)
+    async def internal_error(_: Request, e: Exception) -> JSONResponse:
+        return _error(500, f"internal error: {type(e).__name__}: {e}")
+
+    async def run_or_stream(raw: Request, handler, req) -> Response:
+        if not req.stream:
+            try:
+                body = await until_disconnected(raw, handler.full(req))
+            except ClientDisconnected:
+                return Response(status_code=499)
+            return JSONResponse(body)
+        prepared = handler.prepare(req, stream=True)
+        frames = handler.stream(req, *prepared)
+        return StreamingResponse(with_keepalive(frames), media_type="text/event-stream",
+                                 headers=SSE_HEADERS)
+
+    @app.post("/v1/completions")
+    async def create_completion(raw: Request) -> Response:
+        await _check_alive(engine)
+        return await run_or_stream(raw, completions, await parse_body(raw, CompletionRequest))
+
+    @app.post("/v1/chat/completions")
+    async def create_chat_completion(raw: Request) -> Response:
+        await _check_alive(engine)
+        return await run_or_stream(raw, chat, await parse_body(raw, ChatCompletionRequest))
+
+    @app.get("/v1/models")
+    async def list_models() -> JSONResponse:
+        card = ModelCard(id=served_model_name, created=int(START_TIME),
+                         root=engine.model_config.model, max_model_len=ctx.max_model_len)
+        return JSONResponse(ModelList(data=[card]).model_dump(mode="json"))
+
+    @app.get("/health")
+    async def health() -> Response:
+        try:
+            await engine.check_health()
+        except Exception as e:  # noqa: BLE001 - a dead engine is a failed health check
+            return _error(503, f"engine is not healthy: {e}")
+        return Response(status_code=200)
+
+    @app.api_route("/ping", methods=["GET", "POST"])
+    async def ping() -> Response:
+        return await health()
+
+    @app.get("/version")
+    async def version() -> JSONResponse:
+        return JSONResponse({"version": vllmpy.__version__})
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        if metrics is None:
+            return _error(404, "metrics are disabled (--disable-metrics)")
+        body, content_type = metrics.render()
+        return Response(body, media_type=content_type)
+
+    @app.post("/tokenize")
+    async def tokenize(raw: Request) -> JSONResponse:
+        return JSONResponse(await tokenization.tokenize(raw))
+
+    @app.post("/detokenize")
+    async def detokenize(raw: Request) -> JSONResponse:
+        return JSONResponse(await tokenization.detokenize(raw))
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info() -> JSONResponse:
+        return JSONResponse(tokenization.info())
+
+    @app.get("/server_info")
+    async def server_info() -> JSONResponse:
+        return JSONResponse(_server_info(engine, args, served_model_name))
+
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache() -> JSONResponse:
+        return JSONResponse({"success": bool(await engine.reset_prefix_cache())})
+
+    return app
+
+
+START_TIME = time.time()
+
+
+async def _check_alive(engine: AsyncLLM) -> None:
+    if engine.errored:
+        raise OpenAIError(503, f"the engine has stopped: {engine.dead_error}")
+
+
+def _server_info(engine: AsyncLLM, args: argparse.Namespace, name: str) -> dict[str, Any]:
+    cfg = engine.config
+    return {
+        "vllm_config": {
+            "served_model_name": name, "model": cfg.model.model, "source": cfg.model.source_kind,
+            "architectures": cfg.model.text_config.architectures,
+            "dtype": str(cfg.model.dtype).removeprefix("torch."),
+            "max_model_len": cfg.model.max_model_len, "block_size": cfg.cache.block_size,
+            "num_blocks": cfg.cache.num_blocks,
+            "kv_cache_dtype": kv_cache_dtype_name(cfg.cache.kv_cache_dtype),
+            "kv_cache_dtype_requested": cfg.cache.kv_cache_dtype_requested,
+            "max_num_seqs": cfg.scheduler.max_num_seqs,
+            "max_num_batched_tokens": cfg.scheduler.max_num_batched_tokens,
+            "enable_prefix_caching": cfg.cache.enable_prefix_caching,
+            "scheduling_policy": cfg.scheduler.policy,
+            "device": cfg.device,
+        },
+        "vllm_env": {"version": vllmpy.__version__},
+        "system_env": {"python": platform.python_version(), "platform": platform.platform()},
+    }
+
+
+def startup_lines(engine: AsyncLLM, name: str) -> None:
+    cfg = engine.config
+    print(f"server: model {cfg.model.model!r} ({', '.join(cfg.model.text_config.architectures)}, "
+          f"dtype {str(cfg.model.dtype).removeprefix('torch.')}, device {cfg.device}) served as "
+          f"{name!r}", file=sys.stderr)
+    fitted = " (auto-fitted; --max-model-len sets it)" if cfg.model.max_model_len_fitted else ""
+    print(f"server: max_model_len {cfg.model.max_model_len}{fitted}; KV pool "
+          f"{cfg.cache.num_blocks} "
+          f"blocks x {cfg.cache.block_size} tokens = {cfg.cache.num_tokens} tokens, "
+          f"{cfg.cache.num_blocks * cfg.cache.bytes_per_block} bytes", file=sys.stderr)
