@@ -25,7 +25,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         import uvicorn
 
-        from vllmpy.engine.async_llm import AsyncLLM
+        from vllmpy.engine.async_llm import AsyncLLM, EngineStartupError
         from vllmpy.entrypoints.openai.app import build_app, startup_lines
     except BaseException:
         launched.stop()
@@ -35,6 +35,9 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"server: {e}", file=sys.stderr)
         return 2
+    except EngineStartupError as e:  # the core has printed its own traceback
+        print(f"server: {e}", file=sys.stderr)
+        return 1
     name = args.served_model_name or default_served_model_name(engine.model_config.model)
     app = build_app(engine, args, name)
     startup_lines(engine, name)
