@@ -6,6 +6,8 @@ from a CUDA graph.
     python benchmarks/skinny_gemm_sweep.py --fused    # one-row layer steps: the norm or
                                                       # SiLU launch plus the GEMM, against
                                                       # the fused kernel
+    python benchmarks/skinny_gemm_sweep.py --fused --every   # each step under each of
+                                                      # EVERY_CONFIGS
 """
 
 from __future__ import annotations
@@ -88,10 +90,14 @@ def sweep() -> None:
 
 FUSED_CONFIGS = [(8, 512, 4, 3), (4, 512, 4, 3), (2, 512, 4, 3), (16, 512, 4, 3),
                  (8, 1024, 8, 3), (4, 1024, 8, 3), (2, 1024, 4, 3), (4, 256, 4, 4)]
+# --every: each of these on each one-row step (rows, chunk, warps, stages)
+EVERY_CONFIGS = [(1, 1024, 4, 3), (2, 1024, 4, 3), (2, 1024, 8, 3), (4, 1024, 4, 3),
+                 (4, 1024, 8, 3), (8, 1024, 8, 3), (4, 512, 4, 3), (8, 512, 4, 3),
+                 (16, 512, 4, 3)]
 L2_CLEAR_BYTES = 256 << 20  # weight copies cycled so that no call finds its weights in L2
 
 
-def fused() -> None:
+def fused(every: bool = False) -> None:
     """One row, weights cold in L2 (each call reads another copy, as a decode step's
     layers do): the plain GEMM, (norm launch + GEMM) against rms_norm_gemm and (SiLU launch
     + GEMM) against silu_mul_gemm, over launch configurations; then the read rate of a
@@ -126,10 +132,17 @@ def fused() -> None:
                 two = (lambda x=x, res=res, nw=nw:  # noqa: E731
                        skinny_gemm(rms_norm(x, nw, 1e-6, res)[0], weight()))
                 args, prologue = (x, res, nw, total), RMS_NORM
-            plain = gpu_us(lambda x=plain_x: skinny_gemm(x, weight()))
-            unfused = gpu_us(two)
             def call(cfg, args=args, out=out, prologue=prologue):
                 _launch(*args, weight(), None, out, prologue, 1e-6, *cfg)
+            if every:  # one line per step: the time of each launch configuration
+                times = []
+                for cfg in EVERY_CONFIGS:
+                    times.append(f"{gpu_us(lambda cfg=cfg: call(cfg)):6.2f}")
+                print(f"{model + ' ' + name:16} {n * k * 2 / COPY_RATE * 1e6:7.2f} "
+                      + " ".join(times), flush=True)
+                continue
+            plain = gpu_us(lambda x=plain_x: skinny_gemm(x, weight()))
+            unfused = gpu_us(two)
             best, best_cfg = fastest(FUSED_CONFIGS, call)
             roof = n * k * 2 / COPY_RATE * 1e6
             print(f"{model + ' ' + name:16} {roof:7.2f} {plain:7.2f} {unfused:10.2f} "
@@ -143,7 +156,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--fused", action="store_true",
                     help="time the one-row fused steps instead of the launch sweep")
-    fused() if ap.parse_args().fused else sweep()
+    ap.add_argument("--every", action="store_true",
+                    help="with --fused: every configuration of EVERY_CONFIGS on every step")
+    args = ap.parse_args()
+    if args.every:
+        print("configs (rows, chunk, warps, stages):", EVERY_CONFIGS)
+    fused(args.every) if args.fused else sweep()
 
 
 if __name__ == "__main__":

@@ -56,7 +56,7 @@ def test_refusals() -> None:
         skinny_gemm(torch.randn(1, 16), torch.randn(4, 16), torch.randn(5))
 
 
-@pytest.mark.parametrize("m,n,k", [(1, 40, 70), (3, 64, 512), (8, 24, 1030)])
+@pytest.mark.parametrize("m,n,k", [(1, 40, 70), (3, 64, 512), (8, 24, 1030), (2, 300, 64)])
 @pytest.mark.parametrize("with_residual", [False, True])
 @pytest.mark.parametrize("bias", [False, True])
 def test_rms_norm_gemm_matches_reference_fp32(m: int, n: int, k: int, with_residual: bool,
