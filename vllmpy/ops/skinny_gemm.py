@@ -30,7 +30,6 @@ import triton.language as tl
 from vllmpy.layers.activation import silu_and_mul_torch
 from vllmpy.layers.norm import rms_norm_torch
 from vllmpy.ops.checks import check_float, check_same_device
-from vllmpy.ops.paged_attention import num_multiprocessors
 from vllmpy.ops.pdl import pdl_args, pdl_wait
 
 # The kernel takes up to this many rows. Measured on the H200 it beats cuBLAS for one row
@@ -196,10 +195,20 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.T
             out: torch.Tensor, prologue: int, eps: float, block_n: int | None = None,
             block_k: int | None = None, num_warps: int | None = None,
             num_stages: int = 3) -> None:
-    n, k = weight.shape
-    if block_n is None or block_k is None or num_warps is None:  # a sweep gives all three
-        block_n, block_k, num_warps = _default_shape(prologue, n, k, x.device)
+    # The default launches are the best of benchmarks/skinny_gemm_sweep.py --fused (one
+    # row, weights cold in L2) on an H200: 8 weight rows in 512-wide chunks on 4 warps for
+    # the norm prologue (the qkv and gate_up projections); the down projections (SiLU
+    # prologue, long K) in 1024-wide chunks on 8 warps (25.3 against 29.9 us for
+    # Qwen3-8B's); a plain GEMM (o_proj) on 2 rows per program in 1024-wide chunks, which
+    # puts 4x the programs in flight (9.2 against 11.4 us for Qwen3-8B's).
+    if block_n is None:
+        block_n = 2 if prologue == PLAIN else 8
+    if block_k is None:
+        block_k = 512 if prologue == RMS_NORM else 1024
+    if num_warps is None:
+        num_warps = 8 if prologue == SILU_MUL else 4
     m = x.shape[0]
+    n, k = weight.shape
     if m == 0 or n == 0:
         return
     _skinny_gemm_kernel[(triton.cdiv(n, block_n),)](
@@ -213,28 +222,6 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.T
         BLOCK_H=triton.next_power_of_2(k) if prologue == RMS_NORM else 1,
         num_warps=num_warps, num_stages=num_stages, **pdl_args(x.device),
     )
-
-
-def _default_shape(prologue: int, n: int, k: int, device: torch.device) -> tuple[int, int, int]:
-    """(weight rows per program, chunk width, warps) of a launch. From
-    ``benchmarks/skinny_gemm_sweep.py --fused --every`` (one row, weights cold in L2) on an
-    H200, for the Qwen3-0.6B and -8B projections (docs/BENCHMARKS.md):
-
-    - the norm prologue: a projection at most 4x wider than its input (qkv) on 4 rows in
-      1,024-wide chunks (3.62 against 4.31 us for Qwen3-0.6B's, 15.21 against 15.97 for
-      -8B's); a wider one (gate_up) on 8 rows in 512-wide chunks;
-    - the SiLU prologue (down, long K): 8 rows in 1,024-wide chunks on 8 warps, or 4 rows
-      when 8 would leave fewer than two programs per multiprocessor (4.16 against 4.46 us
-      for Qwen3-0.6B's; -8B's keeps 8 rows: 25.77 against 31.76);
-    - plain (o_proj): 2 rows in 1,024-wide chunks, which puts 4x the programs in flight
-      (9.25 against 11.46 us for Qwen3-8B's on 8 rows).
-    """
-    if prologue == RMS_NORM:
-        return (4, 1024, 4) if n <= 4 * k else (8, 512, 4)
-    if prologue == SILU_MUL:
-        few = triton.cdiv(n, 8) < 2 * num_multiprocessors(device)
-        return (4 if few else 8), 1024, 8
-    return 2, 1024, 4
 
 
 def rms_norm_gemm_ref(x: torch.Tensor, residual: torch.Tensor | None,
