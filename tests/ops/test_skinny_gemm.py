@@ -148,8 +148,11 @@ def test_layers_route_one_streamed_row_through_the_fused_kernels(monkeypatch, wi
     mlp = GatedMLP(48, 40)
     mlp.gate_up_proj.weight.data = torch.randn(80, 48, generator=g)
     mlp.down_proj.weight.data = torch.randn(48, 40, generator=g)
-    x = torch.randn(1, 48, generator=g)
-    res = torch.randn(1, 48, generator=g) if with_residual else None
+    for module in (norm, qkv, mlp):
+        module.to(DEVICE)
+    x = torch.randn(1, 48, generator=g).to(DEVICE)
+    res = torch.randn(1, 48, generator=g).to(DEVICE) if with_residual else None
+    monkeypatch.setattr(Linear, "streams_one_row", lambda self, t: False)
     out, total = rms_norm_linear(norm, qkv, x, res)
     down = mlp(x)
     calls = []

@@ -29,6 +29,39 @@ def test_mixed_sizes_stop_at_the_step_budget():
     assert mixed_capture_sizes(7) == [7]
 
 
+def test_start_up_prefills_keep_every_position_inside_the_serving_length(tmp_path):
+    # The profile and kernel-recording forwards run one step of the whole token budget;
+    # a budget past max_model_len (8192 against the model's 512 positions) is split into
+    # fresh sequences the scheduler could send, so rotary never indexes past its table.
+    _make("qwen3", tmp_path)
+    llm = LLM(str(tmp_path), skip_tokenizer_init=True, device="cpu", dtype="float32",
+              block_size=16, num_blocks=64, max_num_batched_tokens=8192)
+    runner = llm.engine.engine_core.model_runner
+    for tokens in (8192, 2048, 1000, 512, 7):
+        lens = runner._fresh_seq_lens(tokens)
+        assert sum(lens) == tokens and all(0 < n <= 512 for n in lens)
+    assert runner._fresh_seq_lens(1000) == [512, 488]
+
+
+@cuda
+def test_a_second_engine_in_one_process_starts_with_a_budget_past_the_serving_length(
+        tmp_path):
+    # The second engine's start-up launches, for real, the variants the first compiled
+    # (kernel recording skips only uncompiled ones), and without --num-blocks the memory
+    # profile runs the whole budget as well.
+    _make("qwen3", tmp_path)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    prompts = _prompts(4, COMMON["vocab_size"], seed=3)
+    outs = []
+    for _ in range(2):
+        llm = LLM(str(tmp_path), skip_tokenizer_init=True, device="cuda", dtype="float32",
+                  block_size=16, max_num_batched_tokens=8192, gpu_memory_utilization=0.2)
+        outs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params,
+                                                                  use_tqdm=False)])
+        del llm
+    assert outs[0] == outs[1] and all(len(t) == 8 for t in outs[0])
+
+
 @pytest.fixture(scope="module", params=["llama", "qwen3"])
 def tiny(request, tmp_path_factory):
     path = tmp_path_factory.mktemp(request.param)

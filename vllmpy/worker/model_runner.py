@@ -205,12 +205,13 @@ class ModelRunner:
                 self._bind_kv_caches(self._scratch_caches(tokens))
                 # what profile_kv_budget and capture run, through the first two layers
                 with _first_layers(self.model, 2), record_variants() as variants:
-                    self._profile_forward([tokens], min(sched.max_num_seqs, tokens))
+                    self._profile_forward(self._fresh_seq_lens(tokens),
+                                          min(sched.max_num_seqs, tokens))
                     if not self.config.enforce_eager:
                         self._profile_forward([1] * sched.max_num_seqs, sched.max_num_seqs)
                         mixed = mixed_capture_sizes(tokens)
                         if mixed:
-                            self._profile_forward([mixed[-1]], 1)
+                            self._profile_forward(self._fresh_seq_lens(mixed[-1]), 1)
                         StepGraphs(self.model, self.device,  # type: ignore[arg-type]
                                    sched.max_num_seqs, self.config.model.max_model_len,
                                    self.block_size, sched.max_num_batched_tokens).warm_up()
@@ -259,7 +260,7 @@ class ModelRunner:
         self._bind_kv_caches(scratch)
         base = torch.cuda.memory_allocated(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
-        self._profile_step([tokens], sample=min(sched.max_num_seqs, tokens))
+        self._profile_step(self._fresh_seq_lens(tokens), sample=min(sched.max_num_seqs, tokens))
         prefill_peak = torch.cuda.max_memory_allocated(self.device) - base
         torch.cuda.reset_peak_memory_stats(self.device)
         graphs = 0
@@ -269,7 +270,7 @@ class ModelRunner:
             mixed = mixed_capture_sizes(sched.max_num_batched_tokens)
             if mixed:  # the largest mixed graph, one request (its logits run outside)
                 torch.cuda.reset_peak_memory_stats(self.device)
-                self._profile_step([mixed[-1]], sample=1)
+                self._profile_step(self._fresh_seq_lens(mixed[-1]), sample=1)
                 graphs = max(graphs, torch.cuda.max_memory_allocated(self.device) - base)
         for layer in self._attention_layers():
             layer.kv_cache = None
@@ -286,6 +287,13 @@ class ModelRunner:
                f"{weights / gib:.2f} GiB), activation peak {prefill_peak / gib:.2f} GiB, "
                f"CUDA graphs (est.) {graphs / gib:.2f} GiB")
         return kv_bytes, how
+
+    def _fresh_seq_lens(self, tokens: int) -> list[int]:
+        """A prefill step of ``tokens`` tokens as the scheduler could send it: fresh
+        sequences of at most max_model_len tokens each, so that every position falls
+        inside the rotary tables (a step budget may exceed the serving length)."""
+        longest = self.config.model.max_model_len
+        return [longest] * (tokens // longest) + ([tokens % longest] if tokens % longest else [])
 
     def _profile_forward(self, seq_lens: list[int], rows: int) -> torch.Tensor:
         """One forward of fresh sequences of ``seq_lens`` tokens against the bound scratch
