@@ -156,7 +156,7 @@ def test_busy_loop_serves_aborts_utilities_and_survives_a_failing_step(tmp_path)
 def test_startup_error_carries_the_core_message(tmp_path):
     source, config = tiny_source_and_config(
         tmp_path, {**CONFIG, "architectures": ["GPT2LMHeadModel"]})
-    client = AsyncMPClient(config, source)
+    client = AsyncMPClient.from_config(config, source)
     with pytest.raises(EngineStartupError, match="GPT2LMHeadModel"):
         client.wait_until_ready()
     assert not client.proc.is_alive() and not os.path.exists(client._ipc_dir)
@@ -164,7 +164,7 @@ def test_startup_error_carries_the_core_message(tmp_path):
 
 def test_shutdown_leaves_no_process_and_no_socket_files(tmp_path):
     source, config = tiny_source_and_config(tmp_path)
-    client = AsyncMPClient(config, source)
+    client = AsyncMPClient.from_config(config, source)
     client.wait_until_ready()
     assert client.proc.is_alive() and os.listdir(client._ipc_dir)
     client.shutdown()
@@ -177,7 +177,7 @@ def test_a_core_started_from_arguments_sends_its_config_then_the_sized_pool(tmp_
     (tmp_path / "config.json").write_text(json.dumps(CONFIG))
     args = EngineArgs(model=str(tmp_path), load_format="dummy", device="cpu", num_blocks=16,
                       max_model_len=256)
-    client = AsyncMPClient.adopt(core_launch.launch(args, core_launch.probable_device("cpu")))
+    client = AsyncMPClient(core_launch.launch(args, core_launch.probable_device("cpu")))
     try:
         config, source = client.wait_for_config()
         assert (config.device, config.model.max_model_len) == ("cpu", 256)
@@ -194,7 +194,7 @@ def test_a_config_the_core_refuses_is_raised_in_the_frontend(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(CONFIG))
     args = EngineArgs(model=str(tmp_path), load_format="dummy", device="cpu", num_blocks=16,
                       max_model_len=8192)  # the model has 4096 positions
-    client = AsyncMPClient.adopt(core_launch.launch(args, "cpu"))
+    client = AsyncMPClient(core_launch.launch(args, "cpu"))
     with pytest.raises(ConfigError, match="max_position_embeddings"):
         client.wait_for_config()
     assert not client.proc.is_alive() and not os.path.exists(client._ipc_dir)
@@ -222,7 +222,7 @@ def start_client(model_dir):
     config = build_engine_config(EngineArgs(model=model_dir, load_format="dummy",
                                             device="cpu", num_blocks=16, max_model_len=256),
                                  source)
-    return AsyncMPClient(config, source)
+    return AsyncMPClient.from_config(config, source)
 """
 
 ORPHAN_SCRIPT = START_CLIENT + """

@@ -19,7 +19,7 @@ from typing import Any
 from vllmpy.config import EngineArgs, EngineConfig, ModelConfig
 from vllmpy.core.sched_output import EngineCoreOutputs, SchedulerStats
 from vllmpy.engine import core_launch
-from vllmpy.engine.configure import build_engine_config
+from vllmpy.engine.configure import build_engine_config, model_source
 from vllmpy.engine.core_client import (
     AsyncInprocClient,
     EngineDeadError,
@@ -29,7 +29,7 @@ from vllmpy.engine.input_processor import InputProcessor, PromptType
 from vllmpy.engine.mp_client import AsyncMPClient
 from vllmpy.engine.output_processor import OutputProcessor
 from vllmpy.loader.load_stats import LoadStats
-from vllmpy.loader.source import ModelSource, load_tokenizer, resolve_model_source
+from vllmpy.loader.source import ModelSource, load_tokenizer
 from vllmpy.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from vllmpy.sampling_params import SamplingParams
 
@@ -97,9 +97,7 @@ class AsyncLLM:
         stats = LoadStats()
         if not multiprocess:
             with stats.phase("config"):
-                source = resolve_model_source(args.model, load_format=args.load_format,
-                                              revision=args.revision,
-                                              download_dir=args.download_dir)
+                source = model_source(args)
                 config = build_engine_config(args, source)
             with stats.phase("tokenizer"):
                 tokenizer = load_tokenizer(source, args.tokenizer_config,
@@ -111,7 +109,7 @@ class AsyncLLM:
             return cls(args, config, source, tokenizer, client)
         if launched is None:
             launched = core_launch.launch(args, core_launch.probable_device(args.device))
-        client = AsyncMPClient.adopt(launched)
+        client = AsyncMPClient(launched)
         try:
             with stats.phase("config"):
                 config, source = client.wait_for_config()

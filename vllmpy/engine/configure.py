@@ -202,6 +202,13 @@ def _startup_line(args: EngineArgs, cache: CacheConfig, max_model_len: int, how:
             f"max_model_len {max_model_len} ({how})")
 
 
+def model_source(args: EngineArgs) -> ModelSource:
+    """Where the arguments' model comes from (``--model``, ``--load-format``,
+    ``--revision``, ``--download-dir``); fetches it on first use."""
+    return resolve_model_source(args.model, load_format=args.load_format,
+                                revision=args.revision, download_dir=args.download_dir)
+
+
 def build_engine_config(args: EngineArgs, source: ModelSource | None = None) -> EngineConfig:
     from vllmpy.loader.hf_config import resolve_torch_dtype
 
@@ -210,8 +217,7 @@ def build_engine_config(args: EngineArgs, source: ModelSource | None = None) -> 
     _check_scheduling_policy(args)
     device = resolve_device(args.device)
     if source is None:
-        source = resolve_model_source(args.model, load_format=args.load_format,
-                                      revision=args.revision, download_dir=args.download_dir)
+        source = model_source(args)
     text = TextModelConfig.from_hf_config(source.hf_config)
     dtype = resolve_torch_dtype(source.hf_config, args.dtype, device)
     kv_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, dtype, source)

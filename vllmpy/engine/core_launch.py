@@ -27,6 +27,7 @@ import pickle
 import shutil
 import sys
 import tempfile
+import traceback
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -104,15 +105,14 @@ def run(payload: bytes, device: str, input_addr: str, output_addr: str,
 def _configure(engine_args: Any, ready_conn: Any) -> tuple[Any, Any]:
     """Resolve the model and build the config from the engine arguments, and send them to
     the frontend; on failure send the exception (the frontend raises it) and exit."""
-    from vllmpy.engine.configure import build_engine_config
-    from vllmpy.loader.source import resolve_model_source
+    from vllmpy.engine.configure import build_engine_config, model_source
 
     try:
-        source = resolve_model_source(engine_args.model, load_format=engine_args.load_format,
-                                      revision=engine_args.revision,
-                                      download_dir=engine_args.download_dir)
+        source = model_source(engine_args)
         config = build_engine_config(engine_args, source)
     except Exception as e:  # noqa: BLE001 - every refusal reaches the frontend
+        if not isinstance(e, ValueError):  # not a refusal: a bug, with its traceback here
+            traceback.print_exc()
         _stop_early_workers()
         ready_conn.send(("config_error", _picklable(e)))
         ready_conn.close()

@@ -8,12 +8,12 @@ from dataclasses import fields, replace
 from typing import Any
 
 from vllmpy.config import EngineArgs
-from vllmpy.engine.configure import build_engine_config
+from vllmpy.engine.configure import build_engine_config, model_source
 from vllmpy.engine.core_client import InprocClient
 from vllmpy.engine.input_processor import InputProcessor, PromptType
 from vllmpy.engine.output_processor import OutputProcessor
 from vllmpy.loader.load_stats import LoadStats
-from vllmpy.loader.source import load_tokenizer, resolve_model_source
+from vllmpy.loader.source import load_tokenizer
 from vllmpy.outputs import RequestMetrics, RequestOutput
 from vllmpy.sampling_params import RequestOutputKind, SamplingParams
 from vllmpy.structured_output import validate_structured_outputs
@@ -34,9 +34,7 @@ class LLM:
         self.engine_args = args = EngineArgs(model=model, **kwargs)
         stats = LoadStats()
         with stats.phase("config"):
-            self.source = resolve_model_source(
-                model, load_format=args.load_format, revision=args.revision,
-                download_dir=args.download_dir)
+            self.source = model_source(args)
             self.config = build_engine_config(args, self.source)
         with stats.phase("tokenizer"):
             self.tokenizer = load_tokenizer(self.source, args.tokenizer_config,

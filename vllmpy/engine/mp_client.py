@@ -29,8 +29,9 @@ DEATH_CHECK_MS = 250
 class AsyncMPClient:
     """The engine core's busy loop in a child process (``spawn``), over ZMQ + msgspec.
 
-    The constructor starts the process and returns at once; ``wait_until_ready()`` blocks
-    until the core has loaded (raising EngineStartupError with the child's message).
+    It takes a core process already started (``core_launch.launch``, or ``from_config``)
+    and returns at once; ``wait_until_ready()`` blocks until the core has loaded (raising
+    EngineStartupError with the child's message).
     Outputs and utility replies are read by one task on the running event loop, started
     by the first async call; when the child dies that task fails ``get_output``, pending
     utility calls and every later call with EngineDeadError within DEATH_CHECK_MS.
@@ -38,20 +39,9 @@ class AsyncMPClient:
     closes the sockets and removes the socket files.
     """
 
-    def __init__(self, config: EngineConfig, source: ModelSource) -> None:
-        """Start the core from a config built here."""
-        self._adopt(core_launch.launch((config, source), config.device))
-
-    @classmethod
-    def adopt(cls, launched: core_launch.CoreLaunch) -> AsyncMPClient:
-        """The client of a core already started (``core_launch.launch``), for instance
-        from the engine arguments before this process imported torch; its config comes
-        from ``wait_for_config()``."""
-        client = cls.__new__(cls)
-        client._adopt(launched)
-        return client
-
-    def _adopt(self, launched: core_launch.CoreLaunch) -> None:
+    def __init__(self, launched: core_launch.CoreLaunch) -> None:
+        """The client of a started core (``core_launch.launch``): from the engine
+        arguments (its config then comes from ``wait_for_config()``) or from a config."""
         self.proc = launched.proc
         self._ready_conn = launched.conn
         self._ipc_dir = launched.ipc_dir
@@ -70,6 +60,11 @@ class AsyncMPClient:
         self._call_ids = itertools.count()
         self.dead_error: EngineDeadError | None = None
 
+    @classmethod
+    def from_config(cls, config: EngineConfig, source: ModelSource) -> AsyncMPClient:
+        """Start a core from a config built here."""
+        return cls(core_launch.launch((config, source), config.device))
+
     @property
     def pid(self) -> int | None:
         return self.proc.pid
@@ -77,32 +72,30 @@ class AsyncMPClient:
     def wait_for_config(self) -> tuple[EngineConfig, ModelSource]:
         """The config and model source the core built from the engine arguments it was
         started with; raises what building them raised there (ConfigError, ...)."""
-        try:
-            status, detail = self._receive()
-            if status == "config_error":
-                raise detail
-            if status != "config":
-                raise EngineStartupError(f"the engine core failed to start: {detail}")
-        except BaseException:
-            self.shutdown()
-            raise
-        return detail
+        return self._expect("config")
 
     def wait_until_ready(self) -> EngineConfig:
         """Block until the core has loaded; returns its config (with the KV pool sized)."""
         try:
+            return self._expect("ready")
+        finally:
+            self._ready_conn.close()
+
+    def _expect(self, wanted: str) -> Any:
+        """The detail of the core's next start-up message of kind ``wanted`` (past a
+        config nobody asked for); the core's refusal or failure is raised, and the core
+        stopped."""
+        try:
             status, detail = self._receive()
-            while status == "config":  # started from arguments, config not asked for
+            while status == "config" and wanted != "config":
                 status, detail = self._receive()
             if status == "config_error":
                 raise detail
-            if status != "ready":
+            if status != wanted:
                 raise EngineStartupError(f"the engine core failed to start: {detail}")
         except BaseException:
             self.shutdown()
             raise
-        finally:
-            self._ready_conn.close()
         return detail
 
     def _receive(self) -> tuple[str, Any]:
