@@ -10,11 +10,18 @@ import torch.nn.functional as F
 from vllmpy.ops.fused import rms_norm, silu_and_mul
 from vllmpy.ops.skinny_gemm import (
     MAX_ROWS,
+    PLAIN,
+    RMS_NORM,
+    SILU_MUL,
+    WHOLE_SHARE_ELEMS,
+    WHOLE_SHARE_WAVES,
+    _launch,
     rms_norm_gemm,
     rms_norm_gemm_ref,
     silu_mul_gemm,
     silu_mul_gemm_ref,
     skinny_gemm,
+    whole_share_rows,
 )
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -163,3 +170,60 @@ def test_layers_route_one_streamed_row_through_the_fused_kernels(monkeypatch, wi
     torch.testing.assert_close(fused_total, total, rtol=0, atol=0)
     torch.testing.assert_close(fused_out, out, rtol=1e-5, atol=1e-4)
     torch.testing.assert_close(fused_down, down, rtol=1e-5, atol=1e-4)
+
+
+def test_whole_share_rows_for_the_benchmark_models() -> None:
+    # H200 (132 multiprocessors): Qwen3-0.6B's qkv, o and down projections take one wave
+    # of whole shares; its gate_up (too many programs) and all of Qwen3-8B's stream chunks
+    assert whole_share_rows(4096, 1024, 132) == 16  # qkv: 256 programs
+    assert whole_share_rows(1024, 2048, 132) == 8  # o: 128
+    assert whole_share_rows(1024, 3072, 132) == 4  # down (K padded to 4096): 256
+    assert whole_share_rows(6144, 1024, 132) is None  # gate_up: 384 > 2 x 132
+    for n, k in ((6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288)):
+        assert whole_share_rows(n, k, 132) is None
+    assert whole_share_rows(8, 1 << 20, 132) is None  # one row is more than a share
+
+
+@pytest.mark.parametrize("n,k,sms", [(4096, 1024, 132), (1000, 3000, 132), (40, 70, 4),
+                                     (7, 9, 1), (300, 64, 2)])
+def test_whole_share_rows_fit_a_share_and_the_grid(n: int, k: int, sms: int) -> None:
+    rows = whole_share_rows(n, k, sms)
+    assert rows is not None
+    k_pad = 1 << (k - 1).bit_length()
+    assert rows & (rows - 1) == 0 and rows * k_pad <= WHOLE_SHARE_ELEMS
+    programs = -(-n // rows)
+    assert programs <= WHOLE_SHARE_WAVES * sms
+    # the fewest rows: half as many would need more programs than multiprocessors
+    assert rows == 1 or -(-n // (rows // 2)) > sms
+
+
+# (rows, chunk, warps, stages): a streamed launch (several chunks, pipelined) and a
+# whole-share one (one chunk past K, masked)
+LAUNCHES = {"chunked": (4, 64, 4, 3), "whole": (8, 256, 8, 1)}
+
+
+@pytest.mark.parametrize("launch", sorted(LAUNCHES))
+@pytest.mark.parametrize("prologue", [PLAIN, RMS_NORM, SILU_MUL])
+def test_both_launch_kinds_match_the_reference(launch: str, prologue: int) -> None:
+    m, n, k = 2, 21, 200  # K not a multiple of the chunk: the last chunk is masked
+    g = torch.Generator().manual_seed(prologue * 10 + len(launch))
+    w = torch.randn(n, k, generator=g).to(DEVICE)
+    b = torch.randn(n, generator=g).to(DEVICE)
+    out = torch.empty(m, n, device=DEVICE)
+    if prologue == SILU_MUL:
+        x = torch.randn(m, 2 * k, generator=g).to(DEVICE)
+        _launch(x, None, None, None, w, b, out, prologue, 0.0, *LAUNCHES[launch])
+        ref = silu_mul_gemm_ref(x, w, b)
+    elif prologue == RMS_NORM:
+        x = torch.randn(m, k, generator=g).to(DEVICE)
+        res = torch.randn(m, k, generator=g).to(DEVICE)
+        nw = torch.rand(k, generator=g).to(DEVICE) + 0.5
+        total = torch.empty_like(x)
+        _launch(x, res, nw, total, w, b, out, prologue, 1e-6, *LAUNCHES[launch])
+        ref, ref_total = rms_norm_gemm_ref(x, res, nw, 1e-6, w, b)
+        torch.testing.assert_close(total, ref_total, rtol=0, atol=0)
+    else:
+        x = torch.randn(m, k, generator=g).to(DEVICE)
+        _launch(x, None, None, None, w, b, out, prologue, 0.0, *LAUNCHES[launch])
+        ref = F.linear(x, w, b)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-4)

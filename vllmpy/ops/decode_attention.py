@@ -51,6 +51,35 @@ TILE_N = 64
 MIN_TILES_PER_SPLIT = 1
 
 
+@triton.jit
+def _load_tile(cache_ptr, table_row, key_pos, key_ok, kv_head, half, dims, stride_c_kv,
+               stride_c_blk, stride_c_slot, stride_c_head, HALF: tl.constexpr,
+               BLOCK_SIZE: tl.constexpr):
+    """One KV head's keys at key_pos as two halves [HALF, TILE] (transposed for the dot)
+    and its values [TILE, HEAD_DIM]; masked positions read zeros."""
+    key_off = key_offsets(table_row, key_pos, key_ok, kv_head, stride_c_blk, stride_c_slot,
+                          stride_c_head, BLOCK_SIZE)  # [TILE]
+    k1 = tl.load(cache_ptr + key_off[None, :] + half[:, None], mask=key_ok[None, :],
+                 other=0.0)
+    k2 = tl.load(cache_ptr + key_off[None, :] + HALF + half[:, None], mask=key_ok[None, :],
+                 other=0.0)
+    v = tl.load(cache_ptr + stride_c_kv + key_off[:, None] + dims[None, :],
+                mask=key_ok[:, None], other=0.0)
+    return k1, k2, v
+
+
+@triton.jit
+def _attend_tile(q1, q2, k1, k2, v, key_ok, acc, m_i, l_i, scale_log2,
+                 DOT_PRECISION: tl.constexpr):
+    """One tile into the running (acc, m, l) of the online softmax."""
+    s = tl.dot(q1, k1, input_precision=DOT_PRECISION)
+    s = tl.dot(q2, k2, acc=s, input_precision=DOT_PRECISION) * scale_log2
+    s = tl.where(key_ok[None, :], s, float("-inf"))  # [BLOCK_M, TILE]
+    p, alpha, m_new, l_i = online_softmax(s, m_i, l_i)
+    acc = acc * alpha[:, None] + tl.dot(p.to(q1.dtype), v, input_precision=DOT_PRECISION)
+    return acc, m_new, l_i
+
+
 @triton.jit(do_not_specialize=["num_splits", "stride_bt"])
 def _decode_attention_kernel(
     qkv_ptr, pos_ptr, cos_sin_ptr, qw_ptr, kw_ptr, slot_ptr,
@@ -73,18 +102,16 @@ def _decode_attention_kernel(
     head = kv_head * GROUP + rows  # [BLOCK_M] query heads
     half = tl.arange(0, HALF)
     dims = tl.arange(0, HEAD_DIM)
-    pdl_wait(PDL)
 
+    # Until the wait, nothing is read that the kernel before (the qkv projection) writes:
+    # the request's length, position, block table and cached keys and values are the
+    # step's inputs or earlier steps' writes (vllmpy.ops.pdl). So the first tile of keys
+    # and values streams in while that kernel finishes; at a decode's usual lengths it is
+    # the program's only one.
     seq_len = tl.load(seq_lens_ptr + seq)
     pos = tl.load(pos_ptr + tok).to(tl.int64)
     cos = tl.load(cos_sin_ptr + pos * stride_cs + half)[None, :]  # [1, HALF] fp32
     sin = tl.load(cos_sin_ptr + pos * stride_cs + HALF + half)[None, :]
-    src = qkv_ptr + tok * stride_qkv
-    q_off = head[:, None] * HEAD_DIM + half[None, :]  # [BLOCK_M, HALF]
-    q1 = tl.load(src + q_off, mask=row_ok[:, None], other=0.0)
-    q2 = tl.load(src + q_off + HALF, mask=row_ok[:, None], other=0.0)
-    q1, q2 = norm_rotate_halves(q1, q2, qw_ptr, cos, sin, eps, HEAD_DIM, HALF, QK_NORM)
-
     # This program's tiles of the request's keys; the last key (the new token) is taken
     # from qkv by the program whose range holds it, the others come from the cache.
     last = seq_len - 1
@@ -92,37 +119,43 @@ def _decode_attention_kernel(
     used = 1  # splits this request uses
     if SPLIT:
         used = tl.minimum(num_splits, tl.maximum(tl.cdiv(num_tiles, MIN_TILES), 1))
-        if split >= used:
-            return
         per_split = tl.cdiv(num_tiles, used)
         tile_lo = split * per_split
         tile_hi = tl.minimum(num_tiles, tile_lo + per_split)
     else:
         tile_lo = 0
         tile_hi = num_tiles
+    table_row = block_table_ptr + seq * stride_bt
+    cols = tl.arange(0, TILE)
+    # the first tile (all masked when the range is empty: it then changes nothing)
+    key_pos = tile_lo * TILE + cols  # [TILE]
+    key_ok = (key_pos < last) & (key_pos < tile_hi * TILE)
+    k1, k2, v = _load_tile(cache_ptr, table_row, key_pos, key_ok, kv_head, half, dims,
+                           stride_c_kv, stride_c_blk, stride_c_slot, stride_c_head,
+                           HALF, BLOCK_SIZE)
+    pdl_wait(PDL)
+    if SPLIT and split >= used:
+        return
+
+    src = qkv_ptr + tok * stride_qkv
+    q_off = head[:, None] * HEAD_DIM + half[None, :]  # [BLOCK_M, HALF]
+    q1 = tl.load(src + q_off, mask=row_ok[:, None], other=0.0)
+    q2 = tl.load(src + q_off + HALF, mask=row_ok[:, None], other=0.0)
+    q1, q2 = norm_rotate_halves(q1, q2, qw_ptr, cos, sin, eps, HEAD_DIM, HALF, QK_NORM)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max, log2 domain
     l_i = tl.zeros([BLOCK_M], tl.float32)  # running sum of exp2(s - m_i)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    table_row = block_table_ptr + seq * stride_bt
-    cols = tl.arange(0, TILE)
-    for tile in range(tile_lo, tile_hi):
-        key_pos = tile * TILE + cols  # [TILE]
+    acc, m_i, l_i = _attend_tile(q1, q2, k1, k2, v, key_ok, acc, m_i, l_i, scale_log2,
+                                 DOT_PRECISION)
+    for tile in range(tile_lo + 1, tile_hi):
+        key_pos = tile * TILE + cols
         key_ok = key_pos < last
-        key_off = key_offsets(table_row, key_pos, key_ok, kv_head, stride_c_blk,
-                              stride_c_slot, stride_c_head, BLOCK_SIZE)  # [TILE]
-        k1 = tl.load(cache_ptr + key_off[None, :] + half[:, None], mask=key_ok[None, :],
-                     other=0.0)  # [HALF, TILE]
-        k2 = tl.load(cache_ptr + key_off[None, :] + HALF + half[:, None],
-                     mask=key_ok[None, :], other=0.0)
-        s = tl.dot(q1, k1, input_precision=DOT_PRECISION)
-        s = tl.dot(q2, k2, acc=s, input_precision=DOT_PRECISION) * scale_log2
-        s = tl.where(key_ok[None, :], s, float("-inf"))  # [BLOCK_M, TILE]
-        p, alpha, m_new, l_i = online_softmax(s, m_i, l_i)
-        v = tl.load(cache_ptr + stride_c_kv + key_off[:, None] + dims[None, :],
-                    mask=key_ok[:, None], other=0.0)  # [TILE, HEAD_DIM]
-        acc = acc * alpha[:, None] + tl.dot(p.to(q1.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
+        k1, k2, v = _load_tile(cache_ptr, table_row, key_pos, key_ok, kv_head, half, dims,
+                               stride_c_kv, stride_c_blk, stride_c_slot, stride_c_head,
+                               HALF, BLOCK_SIZE)
+        acc, m_i, l_i = _attend_tile(q1, q2, k1, k2, v, key_ok, acc, m_i, l_i, scale_log2,
+                                     DOT_PRECISION)
 
     last_tile = last // TILE
     if (seq_len > 0) & (last_tile >= tile_lo) & (last_tile < tile_hi):

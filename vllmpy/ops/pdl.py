@@ -8,11 +8,14 @@ of a small model is a chain of several hundred short kernels, so the launch and 
 loads of each one overlap the tail of the one before.
 
 The rule every kernel that takes ``PDL`` keeps: with ``PDL`` set it calls ``wait`` before
-its first load of anything an earlier kernel wrote and before its first store, and only
-then ``launch_dependents``. Waiting first makes the chain transitive: a kernel that has
-passed its wait knows every kernel before it in the stream has finished. A kernel
-launched without PDL (cuBLAS, a copy) waits for the whole stream before it, as always.
-CUDA graph capture keeps these edges.
+its first load of anything the kernel just before it may have written, and before its first
+store, and only then ``launch_dependents``; every program waits, also one that has nothing
+to do, before it exits. Waiting first makes the chain transitive: a kernel's programs start
+only once every program of the kernel before has passed its wait, so whatever was written
+two or more launches back (a step's inputs, earlier steps' KV cache) is finished when they
+start and may be read before the wait, and a kernel that has passed its wait knows every
+kernel before it in the stream has finished. A kernel launched without PDL (cuBLAS, a copy)
+waits for the whole stream before it, as always. CUDA graph capture keeps these edges.
 
 Usage: a kernel declares ``PDL: tl.constexpr`` and begins with ``pdl_wait(PDL)`` (after
 any weight prefetch); its launch passes ``**pdl_args(tensor.device)``.

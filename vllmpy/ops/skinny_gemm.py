@@ -4,7 +4,9 @@ take the step before it into its prologue.
 With a handful of rows the product is a read of the weight matrix, so the kernel is built
 to stream it: each program owns ``BLOCK_N`` output columns (weight rows), walks the whole
 reduction in ``BLOCK_K`` chunks with the loads pipelined, and keeps the few activation rows
-in registers. Accumulation is in fp32 and each output is rounded once, as cuBLAS does.
+in registers. A small weight is taken in one wave instead, each program loading its whole
+share as one chunk before it waits for the kernel before it (``whole_share_rows``).
+Accumulation is in fp32 and each output is rounded once, as cuBLAS does.
 
 The elementwise step that feeds a decoder's linear layer can run inside the same launch,
 on the activation chunk each program loads anyway; a one-row decode then takes one kernel
@@ -30,6 +32,7 @@ import triton.language as tl
 from vllmpy.layers.activation import silu_and_mul_torch
 from vllmpy.layers.norm import rms_norm_torch
 from vllmpy.ops.checks import check_float, check_same_device
+from vllmpy.ops.paged_attention import num_multiprocessors
 from vllmpy.ops.pdl import pdl_args, pdl_wait
 
 # The kernel takes up to this many rows. Measured on the H200 it beats cuBLAS for one row
@@ -190,15 +193,56 @@ def silu_mul_gemm(x: torch.Tensor, weight: torch.Tensor,
     return out
 
 
+# Small weights (Qwen3-0.6B's qkv, o and down projections) launch one wave of programs,
+# each taking its whole share of the weight in one tile that it loads before waiting for
+# the kernel before it (vllmpy.ops.pdl): the weight streams while attention or the
+# previous GEMM finishes. A share is at most WHOLE_SHARE_ELEMS weights (32 KiB of bfloat16,
+# about 128 registers a thread on WHOLE_SHARE_WARPS warps, so that two programs fit on a
+# multiprocessor) and the grid at most WHOLE_SHARE_WAVES programs per multiprocessor.
+# Measured on the H200 (docs/BENCHMARKS.md), this took Qwen3-0.6B's batch-1 decode from
+# 1,211 to 1,340 tok/s; 64 KiB shares on 16 warps, and the gate_up projection at three
+# programs per multiprocessor, were slower.
+WHOLE_SHARE_ELEMS = 16384
+WHOLE_SHARE_WARPS = 8
+WHOLE_SHARE_WAVES = 2
+
+
+def whole_share_rows(n: int, k: int, num_sms: int) -> int | None:
+    """Weight rows per program for the whole-share launch of an [n, k] weight on
+    ``num_sms`` multiprocessors: the fewest rows (a power of two) that keep the grid within
+    one program per multiprocessor, else the most that fit a share, if those keep it
+    within WHOLE_SHARE_WAVES; None when the weight is too large for that (the launch then
+    streams it in chunks)."""
+    k_pad = triton.next_power_of_2(k)
+    rows = WHOLE_SHARE_ELEMS // k_pad
+    if rows < 1:
+        return None
+    rows = 1 << (rows.bit_length() - 1)
+    if triton.cdiv(n, rows) > WHOLE_SHARE_WAVES * num_sms:
+        return None
+    while rows > 1 and triton.cdiv(n, rows // 2) <= num_sms:
+        rows //= 2
+    return rows
+
+
 def _launch(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor | None,
             total: torch.Tensor | None, weight: torch.Tensor, bias: torch.Tensor | None,
             out: torch.Tensor, prologue: int, eps: float, block_n: int | None = None,
             block_k: int | None = None, num_warps: int | None = None,
             num_stages: int = 3) -> None:
-    # The default launches are the best of benchmarks/skinny_gemm_sweep.py --fused (one
-    # row, weights cold in L2) on an H200: 8 weight rows in 512-wide chunks on 4 warps for
-    # the norm prologue (the qkv and gate_up projections); the down projections (SiLU
-    # prologue, long K) in 1024-wide chunks on 8 warps (25.3 against 29.9 us for
+    m = x.shape[0]
+    n, k = weight.shape
+    if m == 0 or n == 0:
+        return
+    if block_n is None:
+        rows = whole_share_rows(n, k, num_multiprocessors(x.device))
+        if rows is not None:  # a small matrix: one tile per program, loaded up front
+            block_n, block_k = rows, triton.next_power_of_2(k)
+            num_warps, num_stages = WHOLE_SHARE_WARPS, 1
+    # Otherwise the launches are the best of benchmarks/skinny_gemm_sweep.py
+    # --fused (one row, weights cold in L2) on an H200: 8 weight rows in 512-wide chunks on
+    # 4 warps for the norm prologue (the qkv and gate_up projections); the down projections
+    # (SiLU prologue, long K) in 1024-wide chunks on 8 warps (25.3 against 29.9 us for
     # Qwen3-8B's); a plain GEMM (o_proj) on 2 rows per program in 1024-wide chunks, which
     # puts 4x the programs in flight (9.2 against 11.4 us for Qwen3-8B's).
     if block_n is None:
@@ -207,10 +251,6 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.T
         block_k = 512 if prologue == RMS_NORM else 1024
     if num_warps is None:
         num_warps = 8 if prologue == SILU_MUL else 4
-    m = x.shape[0]
-    n, k = weight.shape
-    if m == 0 or n == 0:
-        return
     _skinny_gemm_kernel[(triton.cdiv(n, block_n),)](
         x, residual if residual is not None else x,
         norm_weight if norm_weight is not None else weight,
