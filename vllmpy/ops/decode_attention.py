@@ -105,9 +105,7 @@ def _decode_attention_kernel(
 
     # Until the wait, nothing is read that the kernel before (the qkv projection) writes:
     # the request's length, position, block table and cached keys and values are the
-    # step's inputs or earlier steps' writes (vllmpy.ops.pdl). So the first tile of keys
-    # and values streams in while that kernel finishes; at a decode's usual lengths it is
-    # the program's only one.
+    # step's inputs or earlier steps' writes (vllmpy.ops.pdl).
     seq_len = tl.load(seq_lens_ptr + seq)
     pos = tl.load(pos_ptr + tok).to(tl.int64)
     cos = tl.load(cos_sin_ptr + pos * stride_cs + half)[None, :]  # [1, HALF] fp32
@@ -117,22 +115,24 @@ def _decode_attention_kernel(
     last = seq_len - 1
     num_tiles = tl.cdiv(seq_len, TILE)
     used = 1  # splits this request uses
+    table_row = block_table_ptr + seq * stride_bt
+    cols = tl.arange(0, TILE)
     if SPLIT:
         used = tl.minimum(num_splits, tl.maximum(tl.cdiv(num_tiles, MIN_TILES), 1))
         per_split = tl.cdiv(num_tiles, used)
         tile_lo = split * per_split
         tile_hi = tl.minimum(num_tiles, tile_lo + per_split)
+        # A split launch is a small batch's: its first tile streams in while the kernel
+        # before finishes; at a decode's usual lengths it is the program's only one. (All
+        # masked when the range is empty: it then changes nothing.)
+        key_pos = tile_lo * TILE + cols  # [TILE]
+        key_ok = (key_pos < last) & (key_pos < tile_hi * TILE)
+        k1, k2, v = _load_tile(cache_ptr, table_row, key_pos, key_ok, kv_head, half, dims,
+                               stride_c_kv, stride_c_blk, stride_c_slot, stride_c_head,
+                               HALF, BLOCK_SIZE)
     else:
         tile_lo = 0
         tile_hi = num_tiles
-    table_row = block_table_ptr + seq * stride_bt
-    cols = tl.arange(0, TILE)
-    # the first tile (all masked when the range is empty: it then changes nothing)
-    key_pos = tile_lo * TILE + cols  # [TILE]
-    key_ok = (key_pos < last) & (key_pos < tile_hi * TILE)
-    k1, k2, v = _load_tile(cache_ptr, table_row, key_pos, key_ok, kv_head, half, dims,
-                           stride_c_kv, stride_c_blk, stride_c_slot, stride_c_head,
-                           HALF, BLOCK_SIZE)
     pdl_wait(PDL)
     if SPLIT and split >= used:
         return
@@ -146,9 +146,12 @@ def _decode_attention_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max, log2 domain
     l_i = tl.zeros([BLOCK_M], tl.float32)  # running sum of exp2(s - m_i)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    acc, m_i, l_i = _attend_tile(q1, q2, k1, k2, v, key_ok, acc, m_i, l_i, scale_log2,
-                                 DOT_PRECISION)
-    for tile in range(tile_lo + 1, tile_hi):
+    first = tile_lo
+    if SPLIT:
+        acc, m_i, l_i = _attend_tile(q1, q2, k1, k2, v, key_ok, acc, m_i, l_i, scale_log2,
+                                     DOT_PRECISION)
+        first = tile_lo + 1
+    for tile in range(first, tile_hi):
         key_pos = tile * TILE + cols
         key_ok = key_pos < last
         k1, k2, v = _load_tile(cache_ptr, table_row, key_pos, key_ok, kv_head, half, dims,
