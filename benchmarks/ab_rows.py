@@ -47,7 +47,9 @@ def main() -> int:
             for r in results:
                 table.setdefault(r["row"], {}).setdefault(name, []).append(
                     r.get("output_throughput", float("nan")))
-            print(f"{name} turn {turn}: rc {proc.returncode}", flush=True)
+            got = ", ".join(f"{r['row']} {r.get('output_throughput', float('nan')):.1f}"
+                            for r in results)
+            print(f"{name} turn {turn}: rc {proc.returncode}: {got}", flush=True)
     names = [spec.partition(":")[0] for spec in args.variant]
     print(f"{'row':<6}" + "".join(f"{n:>22}" for n in names))
     for row, by_name in table.items():
