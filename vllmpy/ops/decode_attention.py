@@ -38,6 +38,7 @@ from vllmpy.ops.paged_attention import (
     merge_partials,
     num_multiprocessors,
     online_softmax,
+    partial_buffers,
     store_normalized,
     store_partial,
 )
@@ -287,13 +288,7 @@ def decode_attention(qkv: torch.Tensor, positions: torch.Tensor, cos_sin_cache: 
         raise ValueError(f"num_splits must be at least 1, got {num_splits}")
     if min_tiles_per_split < 1:
         raise ValueError(f"min_tiles_per_split must be at least 1, got {min_tiles_per_split}")
-    if num_splits > 1:
-        part_acc = torch.empty((num_seqs, num_heads, num_splits, head_dim),
-                               dtype=torch.float32, device=qkv.device)
-        part_ml = torch.empty((num_seqs, num_heads, num_splits, 2),
-                              dtype=torch.float32, device=qkv.device)
-    else:
-        part_acc = part_ml = out  # unused
+    part_acc, part_ml = partial_buffers(out, num_seqs, num_heads, num_splits, head_dim)
     group = num_heads // num_kv_heads
     pdl = pdl_args(qkv.device)
     _decode_attention_kernel[(num_seqs, num_kv_heads, num_splits)](

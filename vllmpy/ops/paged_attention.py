@@ -368,6 +368,19 @@ def num_multiprocessors(device: torch.device) -> int:
     return 4  # the CPU runs kernels through Triton's interpreter: any small count will do
 
 
+def partial_buffers(out: torch.Tensor, rows: int, num_heads: int, num_splits: int,
+                    dim_pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Split-KV partials for ``rows`` query tokens: float32 sums [rows, num_heads,
+    num_splits, dim_pad] and (max, sum) [..., 2]; without splits nothing is allocated and
+    ``out`` stands in for both (the kernels do not touch them then)."""
+    if num_splits == 1:
+        return out, out
+    acc = torch.empty((rows, num_heads, num_splits, dim_pad), dtype=torch.float32,
+                      device=out.device)
+    ml = torch.empty((rows, num_heads, num_splits, 2), dtype=torch.float32, device=out.device)
+    return acc, ml
+
+
 def choose_num_splits(num_programs: int, max_seq_len: int, num_sms: int) -> int:
     """Split-KV rule: enough splits that ``num_programs`` (query blocks x KV heads) becomes
     about PROGRAMS_PER_SM programs per multiprocessor, but no split shorter than
@@ -419,14 +432,7 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor,
     if num_splits < 1:
         raise ValueError(f"num_splits must be at least 1, got {num_splits}")
     dim_pad = triton.next_power_of_2(head_dim)
-    if num_splits > 1:
-        # [num_tokens, num_heads, num_splits, dim_pad] partial sums, [..., 2] (max, sum)
-        part_acc = torch.empty((num_tokens, num_heads, num_splits, dim_pad),
-                               dtype=torch.float32, device=q.device)
-        part_ml = torch.empty((num_tokens, num_heads, num_splits, 2),
-                              dtype=torch.float32, device=q.device)
-    else:
-        part_acc = part_ml = out  # unused
+    part_acc, part_ml = partial_buffers(out, num_tokens, num_heads, num_splits, dim_pad)
     _paged_attention_kernel[(num_q_blocks, num_kv_heads, num_splits)](
         q, kv_cache, out, part_acc, part_ml,
         query_start_loc, seq_lens, block_tables,
