@@ -48,6 +48,7 @@ def main() -> int:
                 table.setdefault(r["row"], {}).setdefault(name, []).append(
                     r.get("output_throughput", float("nan")))
             got = ", ".join(f"{r['row']} {r.get('output_throughput', float('nan')):.1f}"
+                            f" (decode {r.get('decode_throughput_per_request', float('nan')):.1f})"
                             for r in results)
             print(f"{name} turn {turn}: rc {proc.returncode}: {got}", flush=True)
     names = [spec.partition(":")[0] for spec in args.variant]

@@ -91,11 +91,16 @@ def main() -> int:
         print(json.dumps(results[-1]), file=sys.stderr, flush=True)
     with open(os.path.join(args.out, "table.json"), "w") as f:
         json.dump(results, f, indent=2)
-    print(f"{'row':<16}{'model':<12}{'out tok/s':>12}{'total tok/s':>13}{'secs':>9}  rc")
+    # "decode" is vllm-bench's decode throughput per request (after the first token): the
+    # batch-1 rows' (P1, P2) measure
+    print(f"{'row':<16}{'model':<12}{'out tok/s':>12}{'total tok/s':>13}{'decode':>9}"
+          f"{'ITL p50':>9}{'secs':>9}  rc")
     for r in results:
         print(f"{r['row']:<16}{r.get('model', ''):<12}"
               f"{r.get('output_throughput', float('nan')):>12.1f}"
               f"{r.get('total_token_throughput', float('nan')):>13.1f}"
+              f"{r.get('decode_throughput_per_request', float('nan')):>9.1f}"
+              f"{r.get('median_itl_ms', float('nan')):>9.3f}"
               f"{r.get('duration', float('nan')):>9.2f}  {r.get('rc', r.get('error', ''))}")
     return 0
 

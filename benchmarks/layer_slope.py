@@ -1,0 +1,70 @@
+"""Where a batch-1 decode step's time goes, from its slope over the layer count: the P2
+workload (1 x 512 in / 256 out, dummy weights) on copies of a config with fewer decoder
+layers. The intercept is what every step pays once (embedding, final norm, lm_head,
+sampling, the host's part when it is in the way); the slope is one layer's time.
+
+    python benchmarks/layer_slope.py --out DIR [--model qwen3-0.6b] [--layers 1,4,14,28]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--model", default="qwen3-0.6b")
+    p.add_argument("--layers", default="1,4,14,28")
+    args = p.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    src = os.path.join(HERE, "configs", args.model)
+    rows = []
+    configs = tempfile.mkdtemp(prefix="layer_slope-")
+    for n in map(int, args.layers.split(",")):
+        cfg_dir = os.path.join(configs, f"{args.model}-{n}L")
+        shutil.copytree(src, cfg_dir, dirs_exist_ok=True)
+        with open(os.path.join(src, "config.json")) as f:
+            cfg = json.load(f)
+        cfg["num_hidden_layers"] = n
+        with open(os.path.join(cfg_dir, "config.json"), "w") as f:
+            json.dump(cfg, f, indent=2)
+        json_path = os.path.join(args.out, f"{n}L.json")
+        cmd = [sys.executable, "-m", "vllmpy.entrypoints.bench", "--model", cfg_dir,
+               "--load-format", "dummy", "--device", "cuda", "--dtype", "bfloat16",
+               "--warmup", "1", "--num-prompts", "1", "--input-len", "512",
+               "--output-len", "256", "--num-blocks", "512", "--output-json", json_path]
+        with open(os.path.join(args.out, f"{n}L.log"), "w") as log:
+            rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT).returncode
+        if rc != 0 or not os.path.exists(json_path):
+            print(f"{n} layers: rc {rc}", flush=True)
+            continue
+        with open(json_path) as f:
+            r = json.load(f)
+        rows.append((n, r["median_itl_ms"], r["decode_throughput_per_request"]))
+        print(f"{n} layers: ITL p50 {r['median_itl_ms']:.4f} ms, decode "
+              f"{r['decode_throughput_per_request']:.1f} tok/s", flush=True)
+    shutil.rmtree(configs, ignore_errors=True)
+    if len(rows) >= 2:
+        x = np.array([r[0] for r in rows], dtype=float)
+        y = np.array([r[1] for r in rows]) * 1000.0
+        slope, intercept = np.polyfit(x, y, 1)
+        print(f"fit: {intercept:.1f} us per step + {slope:.2f} us per layer")
+    print(f"{'layers':>7}{'ITL p50 ms':>12}{'decode tok/s':>14}")
+    for n, itl, tps in rows:
+        print(f"{n:>7}{itl:>12.4f}{tps:>14.1f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
