@@ -129,6 +129,12 @@ def test_a_tied_q8_0_embedding_gets_a_4_bit_lm_head_for_small_batches(tied_gguf,
                        torch.nn.functional.linear(hidden, embedding))
     assert not torch.equal(model.compute_logits(hidden[:small]),
                            torch.nn.functional.linear(hidden[:small], embedding))
+    # into a caller's buffer (the CUDA graphs' shared logits), both kinds of head
+    for rows in (hidden, hidden[:small]):
+        buf = torch.full((rows.shape[0], embedding.shape[0]), float("nan"),
+                         dtype=torch.bfloat16)
+        assert model.compute_logits(rows, out=buf) is buf
+        assert torch.equal(buf, model.compute_logits(rows))
     # in float32 a tied model keeps computing logits from the embedding
     llm32 = LLM(tied_gguf, skip_tokenizer_init=True, device="cpu", dtype="float32",
                 num_blocks=32)

@@ -18,8 +18,9 @@ class CausalLM(Protocol):
         """[num_tokens] ids and positions -> [num_tokens, hidden_size] hidden states."""
         ...
 
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """[num_sampled, hidden_size] -> [num_sampled, vocab_size]"""
+    def compute_logits(self, hidden_states: torch.Tensor,
+                       out: torch.Tensor | None = None) -> torch.Tensor:
+        """[num_sampled, hidden_size] -> [num_sampled, vocab_size], into ``out`` if given"""
         ...
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:

@@ -112,6 +112,20 @@ class LlamaModel(nn.Module):
         return hidden_states
 
 
+def head_logits(lm_head: Linear | None, embed_tokens: nn.Embedding,
+                hidden_states: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """A causal LM's logits: ``lm_head``, or the tied embedding when it is None; into
+    ``out`` when given (the same product, with no buffer in between)."""
+    if lm_head is not None and lm_head.int4 is not None:
+        logits = lm_head(hidden_states)  # a 4-bit head (see layers.linear)
+        return logits if out is None else out.copy_(logits)
+    weight = embed_tokens.weight if lm_head is None else lm_head.weight
+    assert weight is not None  # a head without a 4-bit copy keeps its dense weight
+    if out is not None:
+        return torch.mm(hidden_states, weight.t(), out=out)
+    return torch.nn.functional.linear(hidden_states, weight)
+
+
 class LlamaForCausalLM(nn.Module):
     def __init__(self, config: TextModelConfig) -> None:
         super().__init__()
@@ -124,14 +138,11 @@ class LlamaForCausalLM(nn.Module):
                 attn_metadata: AttentionMetadata) -> torch.Tensor:
         return self.model(input_ids, positions, attn_metadata)
 
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """[num_sampled, hidden_size] -> [num_sampled, vocab_size]"""
-        head = self.lm_head
-        if head is not None and head.int4 is not None:
-            return head(hidden_states)  # a 4-bit head (see layers.linear)
-        weight = self.model.embed_tokens.weight if head is None else head.weight
-        assert weight is not None  # a head without a 4-bit copy keeps its dense weight
-        return torch.nn.functional.linear(hidden_states, weight)
+    def compute_logits(self, hidden_states: torch.Tensor,
+                       out: torch.Tensor | None = None) -> torch.Tensor:
+        """[num_sampled, hidden_size] -> [num_sampled, vocab_size], written into ``out``
+        (and returned) when given."""
+        return head_logits(self.lm_head, self.model.embed_tokens, hidden_states, out)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load checkpoint tensors (Hugging Face names); returns the parameter names loaded."""

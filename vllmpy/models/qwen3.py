@@ -18,7 +18,7 @@ from vllmpy.layers.linear import (
 )
 from vllmpy.layers.norm import RMSNorm
 from vllmpy.layers.rotary import RotaryEmbedding
-from vllmpy.models.llama import LlamaDecoderLayer
+from vllmpy.models.llama import LlamaDecoderLayer, head_logits
 from vllmpy.models.weights import load_packed_weights
 
 # checkpoint name fragment -> (packed parameter fragment, shard id)
@@ -125,14 +125,11 @@ class Qwen3ForCausalLM(nn.Module):
                 attn_metadata: AttentionMetadata) -> torch.Tensor:
         return self.model(input_ids, positions, attn_metadata)
 
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """[num_sampled, hidden_size] -> [num_sampled, vocab_size]"""
-        head = self.lm_head
-        if head is not None and head.int4 is not None:
-            return head(hidden_states)  # a 4-bit head (see layers.linear)
-        weight = self.model.embed_tokens.weight if head is None else head.weight
-        assert weight is not None  # a head without a 4-bit copy keeps its dense weight
-        return torch.nn.functional.linear(hidden_states, weight)
+    def compute_logits(self, hidden_states: torch.Tensor,
+                       out: torch.Tensor | None = None) -> torch.Tensor:
+        """[num_sampled, hidden_size] -> [num_sampled, vocab_size], written into ``out``
+        (and returned) when given."""
+        return head_logits(self.lm_head, self.model.embed_tokens, hidden_states, out)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load checkpoint tensors (Hugging Face names); returns the parameter names loaded."""

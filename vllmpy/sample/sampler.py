@@ -33,11 +33,20 @@ class Sampler(torch.nn.Module):
     def forward(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
         return self.sample(logits, metadata)[0]
 
-    def sample(self, logits: torch.Tensor,
-               metadata: SamplingMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    def sample(self, logits: torch.Tensor, metadata: SamplingMetadata,
+               out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """([num_reqs] int64 token ids, [num_reqs, vocab_size] processed logits): the
         logits after every step above (tokens masked away are -inf); on the fast path,
-        where nothing changes them, the input logits themselves."""
+        where nothing changes them, the input logits themselves. With ``out`` (an int64
+        [num_reqs] on the logits' device) the ids are written there, and it is returned."""
+        sampled, processed = self._sample(logits, metadata, out)
+        if out is not None and sampled is not out:
+            out.copy_(sampled)
+            return out, processed
+        return sampled, processed
+
+    def _sample(self, logits: torch.Tensor, metadata: SamplingMetadata,
+                out: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         md = metadata
         if logits.dim() != 2 or tuple(logits.shape) != (md.num_reqs, md.vocab_size):
             raise ValueError(f"logits of shape {tuple(logits.shape)} do not match the "
@@ -47,6 +56,8 @@ class Sampler(torch.nn.Module):
             # on the CPU the float32 argmax is several times faster than the bfloat16 one
             # (0.38 against 1.47 ms for 16 x 49,152 logits on the 2-core machine).
             scores = logits.float() if logits.device.type == "cpu" else logits
+            if out is not None:
+                return torch.argmax(scores, dim=-1, out=out), logits
             return scores.argmax(dim=-1), logits
         logits = apply_logits_processors(logits.float(), md)
         greedy = None if md.all_random else logits.argmax(dim=-1)

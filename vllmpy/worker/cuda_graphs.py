@@ -11,15 +11,21 @@ eagerly: their GPU time dwarfs the launch cost a graph saves.
 
 Every graph reads its inputs from static device buffers; rows past the real batch are
 padding: their KV slot is -1 (not stored), their sequence length 0 and their query range
-empty, so attention skips them and their hidden states are discarded.
+empty, so attention skips them and their hidden states are discarded. A decode step's
+per-request inputs go to the device in one copy of a packed buffer (``vllmpy.ops.
+step_inputs``), and its block table in a second; the graph's first kernel takes each token
+id the host does not know yet from the previous step's sampled ids (``sampled``), which
+stay on the device.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from torch import nn
 
 from vllmpy.attention.metadata import AttentionMetadata
+from vllmpy.ops import step_inputs
 
 # Mixed graphs are captured for these step token counts (up to the step budget). Up to
 # 2,048 tokens an eager forward's host time (launching every kernel of every layer) is
@@ -65,6 +71,17 @@ class StepGraphs:
         self.query_start_loc = self.arange.clone()
         self.seq_lens = torch.zeros(seqs, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros((seqs, width), dtype=torch.int32, device=device)
+        self._qsl_is_arange = True
+        # decode graphs: the packed per-request inputs (vllmpy.ops.step_inputs), their
+        # pinned host side, the token ids unpacked from them, and the last sampled ids
+        self.decode_inputs = torch.zeros((step_inputs.NUM_ROWS, seqs), dtype=torch.int64,
+                                         device=device)
+        self.decode_inputs[step_inputs.SLOTS] = -1
+        self.decode_inputs[step_inputs.FILL] = -1
+        self._decode_host = torch.zeros((step_inputs.NUM_ROWS, seqs), dtype=torch.int64,
+                                        pin_memory=device.type == "cuda")
+        self.decode_ids = torch.zeros(seqs, dtype=torch.int64, device=device)
+        self.sampled = torch.zeros(seqs, dtype=torch.int64, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}  # decode graphs by batch size
         # size -> (hidden states [size, hidden], logits [size, vocab])
         self.outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -93,7 +110,7 @@ class StepGraphs:
             query_start_loc_cpu=list(range(size + 1)),
             seq_lens=self.seq_lens[:size],
             seq_lens_cpu=[self.max_model_len] * size,
-            slot_mapping=self.slot_mapping[:size],
+            slot_mapping=self.decode_inputs[step_inputs.SLOTS, :size],
             block_tables=self.block_tables[:size],
             block_size=self.block_size,
             max_query_len=1,
@@ -123,8 +140,12 @@ class StepGraphs:
                           self._mixed_meta(tokens))
 
     def _decode_forward(self, size: int) -> torch.Tensor:
-        """The decode step of ``size`` padding requests; returns the hidden states."""
-        return self.model(self.input_ids[:size], self.positions[:size], self._meta(size))
+        """The decode step of ``size`` requests from the packed inputs (padding while
+        warming up and capturing); returns the hidden states."""
+        step_inputs.unpack_decode_inputs(self.decode_inputs, self.sampled, self.decode_ids,
+                                         self.seq_lens, size)
+        return self.model(self.decode_ids[:size],
+                          self.decode_inputs[step_inputs.POSITIONS, :size], self._meta(size))
 
     @torch.inference_mode()
     def warm_up(self) -> None:
@@ -134,6 +155,7 @@ class StepGraphs:
             self.query_start_loc[:self._mixed_seqs(tokens) + 1].zero_()
             self._mixed_forward(tokens)
         self.query_start_loc.copy_(self.arange)
+        self._qsl_is_arange = True
         for size in reversed(self.sizes):
             self.model.compute_logits(self._decode_forward(size))  # type: ignore[operator]
 
@@ -154,6 +176,7 @@ class StepGraphs:
             self.mixed_graphs[tokens] = graph
             self.mixed_outputs[tokens] = hidden
         self.query_start_loc.copy_(self.arange)
+        self._qsl_is_arange = True
         for size in reversed(self.sizes):
             # warm-up: compiles kernels, builds rotary tables
             logits = self.model.compute_logits(self._decode_forward(size))  # type: ignore[operator]
@@ -165,31 +188,42 @@ class StepGraphs:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
                 hidden = self._decode_forward(size)
-                self.logits[:size].copy_(self.model.compute_logits(hidden))  # type: ignore[operator]
+                self.model.compute_logits(hidden, out=self.logits[:size])  # type: ignore[operator]
             if pool is None:
                 pool = graph.pool()
             self.graphs[size] = graph
             self.outputs[size] = (hidden, self.logits[:size])
         torch.cuda.synchronize()
 
-    def run(self, n: int, input_ids: torch.Tensor, positions: torch.Tensor,
-            slot_mapping: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
-            fill: tuple[torch.Tensor, torch.Tensor] | None = None,
+    def run(self, n: int, input_ids: np.ndarray, positions: np.ndarray,
+            slot_mapping: np.ndarray, seq_lens: np.ndarray, block_tables: torch.Tensor,
+            fill_rows: np.ndarray | None = None,
             copied: torch.cuda.Event | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Replay for a decode step of ``n`` requests; returns (hidden states [n, hidden],
         logits [n, vocab]), views of the graph's outputs that the next replay overwrites.
-        The inputs may be pinned host tensors (copied without blocking) or device tensors;
-        ``fill`` = (rows, ids) overwrites input ids the host does not know yet; ``copied``
-        is recorded once the inputs are copied, before the replay."""
+        The per-request inputs are host arrays (``n`` entries each), ``block_tables`` [n,
+        width] a pinned host or a device tensor. ``fill_rows[i]`` >= 0 takes request i's
+        token from that row of ``sampled`` (the previous step's ids, still on the device)
+        instead of ``input_ids[i]``. The caller must not rewrite the pinned inputs before
+        ``copied``, recorded once they are copied (before the replay), has passed."""
         size = next(s for s in self.sizes if s >= n)
-        self._copy_tokens(n, size, input_ids, positions, slot_mapping, fill)
-        self.seq_lens[:n].copy_(seq_lens, non_blocking=True)
-        if size > n:
-            self.seq_lens[n:size].zero_()
-            self.query_start_loc[n + 1:size + 1].fill_(n)
-        self.query_start_loc[:n + 1].copy_(self.arange[:n + 1])
+        host = self._decode_host.numpy()
+        host[step_inputs.IDS, :n] = input_ids
+        host[step_inputs.POSITIONS, :n] = positions
+        host[step_inputs.SLOTS, :n] = slot_mapping
+        host[step_inputs.FILL, :n] = -1 if fill_rows is None else fill_rows
+        host[step_inputs.SEQ_LENS, :n] = seq_lens
+        if size > n:  # padding requests: nothing stored, nothing attended
+            host[:, n:size] = 0
+            host[step_inputs.SLOTS, n:size] = -1
+            host[step_inputs.FILL, n:size] = -1
+        # one copy for all rows; the graph reads only its first `size` columns of each
+        self.decode_inputs.copy_(self._decode_host, non_blocking=True)
         width = block_tables.shape[1]
         self.block_tables[:n, :width].copy_(block_tables, non_blocking=True)
+        if not self._qsl_is_arange:  # a mixed step rewrote it
+            self.query_start_loc.copy_(self.arange)
+            self._qsl_is_arange = True
         if copied is not None:
             copied.record()
         self.graphs[size].replay()
@@ -207,6 +241,7 @@ class StepGraphs:
         ``query_start_loc`` [num_requests + 1]."""
         size = next(s for s in self.mixed_sizes if s >= num_tokens)
         n, seqs = seq_lens.shape[0], self._mixed_seqs(size)
+        self._qsl_is_arange = False
         self._copy_tokens(num_tokens, size, input_ids, positions, slot_mapping, fill)
         self.query_start_loc[:n + 1].copy_(query_start_loc, non_blocking=True)
         self.seq_lens[:n].copy_(seq_lens, non_blocking=True)

@@ -240,18 +240,6 @@ class ModelRunner(StartupMixin):
         view.numpy()[:] = flat
         return view.view(array.shape)
 
-    def _prepare_inputs(self, req_ids: list[str], out: SchedulerOutput):
-        step = self.input_batch.prepare(req_ids,
-                                        [out.num_scheduled_tokens[r] for r in req_ids])
-        if self._staged is not None:
-            # The pinned buffers are about to be rewritten: the previous step's copies
-            # out of them must have run.
-            self._staged.synchronize()
-        host = {name: self._stage(name, getattr(step, name))
-                for name in ("input_ids", "positions", "slot_mapping", "query_start_loc",
-                             "seq_lens", "block_tables", "logits_indices")}
-        return step, host
-
     def _device_inputs(self, step: StepInputs, host: dict[str, torch.Tensor]):
         dev = self.device
         d = {name: t.to(dev, non_blocking=True) for name, t in host.items()}
@@ -334,8 +322,12 @@ class ModelRunner(StartupMixin):
         req_ids = list(out.num_scheduled_tokens)
         if not req_ids:
             return StepHandle(self, [], [], [], None, None, {}, None)
-        step, host = self._prepare_inputs(req_ids, out)
-        fill = self._device_tokens(req_ids, step)
+        step = self.input_batch.prepare(req_ids,
+                                        [out.num_scheduled_tokens[r] for r in req_ids])
+        if self._staged is not None:
+            # The pinned buffers are about to be rewritten: the previous step's copies
+            # out of them must have run.
+            self._staged.synchronize()
         graphs = self.graphs
         n = len(req_ids)
         # Recorded once this step's copies out of the pinned buffers are queued: the next
@@ -344,29 +336,37 @@ class ModelRunner(StartupMixin):
         graph_logits = None
         logits_idx: torch.Tensor | None = None
         if graphs is not None and step.max_query_len == 1 and n <= graphs.max_size:
-            # A pure decode step: the graph reads its inputs straight from the host.
+            # A pure decode step: its inputs go over in two copies, and a token sampled
+            # by the step still in flight is taken on the device, inside the graph.
             hidden, graph_logits = graphs.run(
-                n, host["input_ids"], host["positions"], host["slot_mapping"],
-                host["seq_lens"], host["block_tables"], fill, copied)
+                n, step.input_ids, step.positions, step.slot_mapping, step.seq_lens,
+                self._stage("block_tables", step.block_tables),
+                self._fill_rows(req_ids, step), copied)
             if len(step.sample_rows) < n:  # a one-token prefill chunk samples nothing
                 logits_idx = torch.as_tensor(step.sample_rows, device=self.device)
                 graph_logits = graph_logits[logits_idx]
-        elif graphs is not None and step.num_tokens <= graphs.max_mixed_tokens:
-            # A small step with prefill tokens: the forward replays a mixed graph.
-            if len(step.sample_rows) < step.num_tokens:
-                logits_idx = host["logits_indices"].to(self.device, non_blocking=True)
-            hidden = graphs.run_mixed(
-                step.num_tokens, host["input_ids"], host["positions"], host["slot_mapping"],
-                host["query_start_loc"], host["seq_lens"], host["block_tables"], fill, copied)
         else:
-            ids, pos, meta, logits_idx = self._device_inputs(step, host)
-            if fill is not None:
-                ids.index_copy_(0, fill[0], fill[1])
-            if copied is not None:
-                copied.record()
-            hidden = self.model(ids, pos, meta)  # [num_tokens, hidden_size]
-            if len(step.sample_rows) == step.num_tokens:
-                logits_idx = None
+            host = {name: self._stage(name, getattr(step, name))
+                    for name in ("input_ids", "positions", "slot_mapping", "query_start_loc",
+                                 "seq_lens", "block_tables", "logits_indices")}
+            fill = self._device_tokens(req_ids, step)
+            if graphs is not None and step.num_tokens <= graphs.max_mixed_tokens:
+                # A small step with prefill tokens: the forward replays a mixed graph.
+                if len(step.sample_rows) < step.num_tokens:
+                    logits_idx = host["logits_indices"].to(self.device, non_blocking=True)
+                hidden = graphs.run_mixed(
+                    step.num_tokens, host["input_ids"], host["positions"],
+                    host["slot_mapping"], host["query_start_loc"], host["seq_lens"],
+                    host["block_tables"], fill, copied)
+            else:
+                ids, pos, meta, logits_idx = self._device_inputs(step, host)
+                if fill is not None:
+                    ids.index_copy_(0, fill[0], fill[1])
+                if copied is not None:
+                    copied.record()
+                hidden = self.model(ids, pos, meta)  # [num_tokens, hidden_size]
+                if len(step.sample_rows) == step.num_tokens:
+                    logits_idx = None
         self._staged = copied
         prompt_logprobs = self._prompt_logprobs(req_ids, out, step, hidden)
         if not step.sample_rows:
@@ -383,7 +383,11 @@ class ModelRunner(StartupMixin):
         states = [self.requests[req_ids[i]] for i in step.sample_rows]
         metadata = self._sampling_metadata(
             tuple(req_ids[i] for i in step.sample_rows), states)
-        sampled_t, processed = self.sampler.sample(logits, metadata)
+        # on CUDA the ids land in the graphs' buffer, where the next decode graph reads
+        # the tokens it needs before the host has them
+        sampled_t, processed = self.sampler.sample(
+            logits, metadata,
+            out=graphs.sampled[:len(states)] if graphs is not None else None)
         lp = sampled_logprobs([s.sampling_params for s in states], logits, processed,
                               sampled_t)
         # The next step may read these ids before the host does (async scheduling).
@@ -415,6 +419,19 @@ class ModelRunner(StartupMixin):
         src_t = self._stage("fill_src", np.asarray(src, dtype=np.int64))
         return (dst.to(self.device, non_blocking=True),
                 sampled_t[src_t.to(self.device, non_blocking=True)])
+
+    def _fill_rows(self, req_ids: list[str], step: StepInputs) -> np.ndarray | None:
+        """For a decode graph: per request, the row of the last launched step's sampled
+        ids that holds its token, -1 where the host knows it; None when it knows all."""
+        if not step.unknown_rows:
+            return None
+        if self._last_sampled is None:
+            raise RuntimeError("a step reads tokens that no launched step sampled")
+        index = self._last_sampled[1]
+        rows = np.full(len(req_ids), -1, dtype=np.int64)
+        for row, req in zip(step.unknown_rows, step.unknown_reqs):
+            rows[row] = index[req_ids[req]]
+        return rows
 
     def _copy_to_host(self, sampled: torch.Tensor
                       ) -> tuple[torch.Tensor, torch.cuda.Event | None]:

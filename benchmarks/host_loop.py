@@ -1,0 +1,103 @@
+"""Is a batch-1 decode bound by the GPU or by the host? The P2 workload (1 x 512 in /
+256 out, greedy, dummy weights) through ``LLM`` with the engine loop's phases timed on the
+host: scheduling, launching a step, waiting for a step's sampled ids, recording them, and
+the frontend's output processing. Also times the decode graph's replay alone (the device
+floor of a step's forward and logits). A step whose wait is near zero is host-bound.
+
+    python benchmarks/host_loop.py [--model qwen3-0.6b] [--layers 28]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import shutil
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", default="qwen3-0.6b")
+    p.add_argument("--layers", type=int, default=0, help="0: the config's own count")
+    p.add_argument("--output-len", type=int, default=256)
+    p.add_argument("--device", default="cuda")
+    args = p.parse_args()
+
+    import numpy as np
+    import torch
+
+    from vllmpy.engine.llm import LLM
+    from vllmpy.sampling_params import SamplingParams
+
+    src = os.path.join(HERE, "configs", args.model)
+    tmp = tempfile.mkdtemp(prefix="host_loop-")
+    cfg_dir = os.path.join(tmp, args.model)
+    shutil.copytree(src, cfg_dir)
+    with open(os.path.join(src, "config.json")) as f:
+        cfg = json.load(f)
+    if args.layers:
+        cfg["num_hidden_layers"] = args.layers
+    with open(os.path.join(cfg_dir, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    llm = LLM(model=cfg_dir, load_format="dummy", device=args.device, dtype="bfloat16",
+              num_blocks=512, max_num_seqs=32, max_num_batched_tokens=8192)
+    shutil.rmtree(tmp, ignore_errors=True)
+    rng = np.random.default_rng(0)
+    prompt = {"prompt_token_ids": rng.integers(100, 10000, 512).tolist()}
+    params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+    llm.generate([prompt], params, use_tqdm=False)  # warm-up
+
+    times: dict[str, list[float]] = collections.defaultdict(list)
+
+    def timed(obj, name: str, key: str) -> None:
+        fn = getattr(obj, name)
+
+        def wrapper(*a, **k):
+            t = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                times[key].append(time.perf_counter() - t)
+        setattr(obj, name, wrapper)
+
+    core = llm.engine.engine_core
+    timed(core.scheduler, "schedule", "schedule")
+    timed(core.scheduler, "update_from_output", "update_from_output")
+    timed(core.model_runner, "launch", "launch")
+    timed(core.model_runner, "_finish_step", "finish_step (incl. wait)")
+    timed(torch.cuda.Event, "synchronize", "event waits")
+    timed(llm.output_processor, "process_outputs", "frontend process_outputs")
+    timed(llm, "_step", "LLM step (all)")
+
+    t = time.perf_counter()
+    llm.generate([prompt], params, use_tqdm=False)
+    wall = time.perf_counter() - t
+
+    graphs = core.model_runner.graphs
+    replay_us = float("nan")
+    if graphs is not None:
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(100):
+            graphs.graphs[graphs.sizes[0]].replay()
+        torch.cuda.synchronize()
+        replay_us = (time.perf_counter() - t) / 100 * 1e6
+
+    steps = len(times["LLM step (all)"])
+    name = f"{args.model} {cfg['num_hidden_layers']}L"
+    print(f"{name}: {steps} steps, {wall / args.output_len * 1e6:.1f} us per token, "
+          f"graph replay alone {replay_us:.1f} us")
+    for key, vals in times.items():
+        v = np.array(vals) * 1e6
+        print(f"  {key:<28} calls {len(v):>4}  per step {v.sum() / steps:>8.1f} us  "
+              f"median {np.median(v):>7.1f}  p90 {np.percentile(v, 90):>7.1f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
