@@ -73,6 +73,15 @@ def main() -> int:
     timed(torch.cuda.Event, "synchronize", "event waits")
     timed(llm.output_processor, "process_outputs", "frontend process_outputs")
     timed(llm, "_step", "LLM step (all)")
+    runner = core.model_runner
+    for name in ("_update_states", "_stage", "_fill_rows", "_sampling_metadata",
+                 "_copy_to_host"):
+        timed(runner, name, f"  launch: {name}")
+    timed(runner.input_batch, "prepare", "  launch: input_batch.prepare")
+    timed(runner.sampler, "sample", "  launch: sampler.sample")
+    if runner.graphs is not None:
+        timed(runner.graphs, "run", "  launch: graphs.run")
+        timed(torch.cuda.CUDAGraph, "replay", "    graphs.run: replay")
 
     t = time.perf_counter()
     llm.generate([prompt], params, use_tqdm=False)
@@ -89,6 +98,22 @@ def main() -> int:
         replay_us = (time.perf_counter() - t) / 100 * 1e6
 
     steps = len(times["LLM step (all)"])
+    if args.device == "cuda":  # host cost of single calls, the GPU idle
+        x = torch.randn(1, 151936, device="cuda", dtype=torch.bfloat16)
+        out = torch.empty(1, dtype=torch.int64, device="cuda")
+        pinned = torch.zeros(5, 32, dtype=torch.int64, pin_memory=True)
+        dev = torch.zeros(5, 32, dtype=torch.int64, device="cuda")
+        for label, fn in (("argmax(out=)", lambda: torch.argmax(x, dim=-1, out=out)),
+                          ("H2D copy_ 1 KiB", lambda: dev.copy_(pinned, non_blocking=True)),
+                          ("Event() + record", lambda: torch.cuda.Event().record()),
+                          ("current_stream", torch.cuda.current_stream)):
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            for _ in range(200):
+                fn()
+            dt = (time.perf_counter() - t) / 200 * 1e6
+            torch.cuda.synchronize()
+            print(f"  host cost of {label}: {dt:.1f} us")
     name = f"{args.model} {cfg['num_hidden_layers']}L"
     print(f"{name}: {steps} steps, {wall / args.output_len * 1e6:.1f} us per token, "
           f"graph replay alone {replay_us:.1f} us")
