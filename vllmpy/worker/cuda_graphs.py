@@ -25,7 +25,6 @@ import torch
 from torch import nn
 
 from vllmpy.attention.metadata import AttentionMetadata
-from vllmpy.ops import step_inputs
 
 # Mixed graphs are captured for these step token counts (up to the step budget). Up to
 # 2,048 tokens an eager forward's host time (launching every kernel of every layer) is
@@ -72,6 +71,8 @@ class StepGraphs:
         self.seq_lens = torch.zeros(seqs, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros((seqs, width), dtype=torch.int32, device=device)
         self._qsl_is_arange = True
+        from vllmpy.ops import step_inputs  # Triton, imported only where graphs are built
+
         # decode graphs: the packed per-request inputs (vllmpy.ops.step_inputs), their
         # pinned host side, the token ids unpacked from them, and the last sampled ids
         self.decode_inputs = torch.zeros((step_inputs.NUM_ROWS, seqs), dtype=torch.int64,
@@ -80,6 +81,8 @@ class StepGraphs:
         self.decode_inputs[step_inputs.FILL] = -1
         self._decode_host = torch.zeros((step_inputs.NUM_ROWS, seqs), dtype=torch.int64,
                                         pin_memory=device.type == "cuda")
+        self.decode_positions = self.decode_inputs[step_inputs.POSITIONS]
+        self.decode_slots = self.decode_inputs[step_inputs.SLOTS]
         self.decode_ids = torch.zeros(seqs, dtype=torch.int64, device=device)
         self.sampled = torch.zeros(seqs, dtype=torch.int64, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}  # decode graphs by batch size
@@ -110,7 +113,7 @@ class StepGraphs:
             query_start_loc_cpu=list(range(size + 1)),
             seq_lens=self.seq_lens[:size],
             seq_lens_cpu=[self.max_model_len] * size,
-            slot_mapping=self.decode_inputs[step_inputs.SLOTS, :size],
+            slot_mapping=self.decode_slots[:size],
             block_tables=self.block_tables[:size],
             block_size=self.block_size,
             max_query_len=1,
@@ -142,10 +145,12 @@ class StepGraphs:
     def _decode_forward(self, size: int) -> torch.Tensor:
         """The decode step of ``size`` requests from the packed inputs (padding while
         warming up and capturing); returns the hidden states."""
-        step_inputs.unpack_decode_inputs(self.decode_inputs, self.sampled, self.decode_ids,
-                                         self.seq_lens, size)
-        return self.model(self.decode_ids[:size],
-                          self.decode_inputs[step_inputs.POSITIONS, :size], self._meta(size))
+        from vllmpy.ops.step_inputs import unpack_decode_inputs
+
+        unpack_decode_inputs(self.decode_inputs, self.sampled, self.decode_ids, self.seq_lens,
+                             size)
+        return self.model(self.decode_ids[:size], self.decode_positions[:size],
+                          self._meta(size))
 
     @torch.inference_mode()
     def warm_up(self) -> None:
@@ -207,6 +212,8 @@ class StepGraphs:
         instead of ``input_ids[i]``. The caller must not rewrite the pinned inputs before
         ``copied``, recorded once they are copied (before the replay), has passed."""
         size = next(s for s in self.sizes if s >= n)
+        from vllmpy.ops import step_inputs
+
         host = self._decode_host.numpy()
         host[step_inputs.IDS, :n] = input_ids
         host[step_inputs.POSITIONS, :n] = positions
