@@ -13,6 +13,7 @@ import argparse
 import torch
 import triton
 import triton.language as tl
+from decode_attention_sweep import time_graph  # a sibling script (benchmarks/)
 
 from vllmpy.ops.pdl import pdl_wait
 
@@ -38,22 +39,7 @@ def time_chain(links: int, programs: int, pdl: bool, warps: int) -> float:
             _link[(programs,)](bufs[i % 2], bufs[(i + 1) % 2], N=1024, PDL=pdl,
                                num_warps=warps, **extra)
 
-    run()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        run()
-    for _ in range(5):
-        graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    reps = 50
-    start.record()
-    for _ in range(reps):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1000.0 / reps / links
+    return time_graph(run, replays=50) / links
 
 
 def main() -> int:
