@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from vllmpy.ops.checks import check_same_device
-from vllmpy.ops.fused import norm_rotate_halves
+from vllmpy.ops.fused import load_norm_halves, norm_rotate_halves
 from vllmpy.ops.paged_attention import (
     choose_num_splits,
     key_offsets,
@@ -81,6 +81,16 @@ def _attend_tile(q1, q2, k1, k2, v, key_ok, acc, m_i, l_i, scale_log2,
     return acc, m_new, l_i
 
 
+@triton.jit
+def _new_token(src, kv_head, num_heads, num_kv_heads, half, dims, HEAD_DIM: tl.constexpr,
+               HALF: tl.constexpr):
+    """The new token's key (two halves [1, HALF]) and value [HEAD_DIM] of one KV head,
+    from its qkv row at src, before rotary and any norm."""
+    k_src = src + (num_heads + kv_head) * HEAD_DIM + half[None, :]
+    v = tl.load(src + (num_heads + num_kv_heads + kv_head) * HEAD_DIM + dims)
+    return tl.load(k_src), tl.load(k_src + HALF), v
+
+
 @triton.jit(do_not_specialize=["num_splits", "stride_bt"])
 def _decode_attention_kernel(
     qkv_ptr, pos_ptr, cos_sin_ptr, qw_ptr, kw_ptr, slot_ptr,
@@ -105,8 +115,9 @@ def _decode_attention_kernel(
     dims = tl.arange(0, HEAD_DIM)
 
     # Until the wait, nothing is read that the kernel before (the qkv projection) writes:
-    # the request's length, position, block table and cached keys and values are the
-    # step's inputs or earlier steps' writes (vllmpy.ops.pdl).
+    # the request's length, position, slot, block table and cached keys and values are
+    # the step's inputs or earlier steps' writes, the norm weights are never written
+    # (vllmpy.ops.pdl).
     seq_len = tl.load(seq_lens_ptr + seq)
     pos = tl.load(pos_ptr + tok).to(tl.int64)
     cos = tl.load(cos_sin_ptr + pos * stride_cs + half)[None, :]  # [1, HALF] fp32
@@ -131,6 +142,10 @@ def _decode_attention_kernel(
         k1, k2, v = _load_tile(cache_ptr, table_row, key_pos, key_ok, kv_head, half, dims,
                                stride_c_kv, stride_c_blk, stride_c_slot, stride_c_head,
                                HALF, BLOCK_SIZE)
+        # so do the new token's slot and the norm weights (never written)
+        slot = tl.load(slot_ptr + tok).to(tl.int64)
+        qw1, qw2 = load_norm_halves(qw_ptr, HEAD_DIM, HALF, QK_NORM)
+        kw1, kw2 = load_norm_halves(kw_ptr, HEAD_DIM, HALF, QK_NORM)
     else:
         tile_lo = 0
         tile_hi = num_tiles
@@ -142,7 +157,16 @@ def _decode_attention_kernel(
     q_off = head[:, None] * HEAD_DIM + half[None, :]  # [BLOCK_M, HALF]
     q1 = tl.load(src + q_off, mask=row_ok[:, None], other=0.0)
     q2 = tl.load(src + q_off + HALF, mask=row_ok[:, None], other=0.0)
-    q1, q2 = norm_rotate_halves(q1, q2, qw_ptr, cos, sin, eps, HEAD_DIM, HALF, QK_NORM)
+    if SPLIT:
+        # A split program is short: it reads the new token's key and value beside q (a
+        # few hundred bytes, read by every program; the one whose range holds the token
+        # takes them in). A batched program, with its longer tile loop, reads them after
+        # the loop rather than hold them in registers through it.
+        k1_new, k2_new, v_new = _new_token(src, kv_head, num_heads, num_kv_heads, half,
+                                           dims, HEAD_DIM, HALF)
+    else:
+        qw1, qw2 = load_norm_halves(qw_ptr, HEAD_DIM, HALF, QK_NORM)
+    q1, q2 = norm_rotate_halves(q1, q2, qw1, qw2, cos, sin, eps, HEAD_DIM, QK_NORM)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max, log2 domain
     l_i = tl.zeros([BLOCK_M], tl.float32)  # running sum of exp2(s - m_i)
@@ -164,11 +188,13 @@ def _decode_attention_kernel(
     last_tile = last // TILE
     if (seq_len > 0) & (last_tile >= tile_lo) & (last_tile < tile_hi):
         # the new token: its key normalized and rotated, and its value, from qkv
-        k_src = src + (num_heads + kv_head) * HEAD_DIM + half[None, :]  # [1, HALF]
-        k1n, k2n = norm_rotate_halves(tl.load(k_src), tl.load(k_src + HALF), kw_ptr, cos,
-                                      sin, eps, HEAD_DIM, HALF, QK_NORM)
-        v_new = tl.load(src + (num_heads + num_kv_heads + kv_head) * HEAD_DIM + dims)
-        slot = tl.load(slot_ptr + tok).to(tl.int64)
+        if not SPLIT:
+            k1_new, k2_new, v_new = _new_token(src, kv_head, num_heads, num_kv_heads, half,
+                                               dims, HEAD_DIM, HALF)
+            kw1, kw2 = load_norm_halves(kw_ptr, HEAD_DIM, HALF, QK_NORM)
+            slot = tl.load(slot_ptr + tok).to(tl.int64)
+        k1n, k2n = norm_rotate_halves(k1_new, k2_new, kw1, kw2, cos, sin, eps, HEAD_DIM,
+                                      QK_NORM)
         if slot >= 0:  # a negative slot is padding: nothing to store
             dst = (cache_ptr + (slot // BLOCK_SIZE) * stride_c_blk
                    + (slot % BLOCK_SIZE) * stride_c_slot + kv_head * stride_c_head)
@@ -197,12 +223,13 @@ def _merge_kernel(part_acc_ptr, part_ml_ptr, out_ptr, seq_lens_ptr, num_splits, 
                   stride_o_tok, stride_o_head, TILE: tl.constexpr, MIN_TILES: tl.constexpr,
                   SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, PDL: tl.constexpr):
     # One (request, query head): the softmax-weighted sum of the partials of the splits
-    # the request used; a request that used one split has its output already.
-    pdl_wait(PDL)
+    # the request used; a request that used one split has its output already. The
+    # request's length is a step input, read before the wait (vllmpy.ops.pdl).
     tok = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     num_tiles = tl.cdiv(tl.load(seq_lens_ptr + tok), TILE)
     used = tl.minimum(num_splits, tl.maximum(tl.cdiv(num_tiles, MIN_TILES), 1))
+    pdl_wait(PDL)
     if used == 1:
         return
     merge_partials(part_acc_ptr, part_ml_ptr, out_ptr, tok, head, num_heads, num_splits,

@@ -130,22 +130,36 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,
 # ---- rotary_embedding ------------------------------------------------------------------
 
 @triton.jit
-def norm_rotate_halves(x1, x2, w_ptr, cos, sin, eps, HEAD_DIM: tl.constexpr,
-                       HALF_PAD: tl.constexpr, NORM: tl.constexpr):
+def load_norm_halves(w_ptr, HEAD_DIM: tl.constexpr, HALF_PAD: tl.constexpr,
+                     NORM: tl.constexpr):
+    """A per-head RMSNorm weight as its two halves [1, HALF_PAD] in fp32 (0 past
+    HEAD_DIM // 2), for ``norm_rotate_halves``; zeros without NORM (nothing is read). A
+    kernel can load them before it waits for the one before (vllmpy.ops.pdl)."""
+    dims = tl.arange(0, HALF_PAD)[None, :]
+    dim_ok = dims < HEAD_DIM // 2
+    if NORM:
+        w1 = tl.load(w_ptr + dims, mask=dim_ok, other=0.0).to(tl.float32)
+        w2 = tl.load(w_ptr + HEAD_DIM // 2 + dims, mask=dim_ok, other=0.0).to(tl.float32)
+    else:
+        w1 = tl.zeros([1, HALF_PAD], tl.float32)
+        w2 = tl.zeros([1, HALF_PAD], tl.float32)
+    return w1, w2
+
+
+@triton.jit
+def norm_rotate_halves(x1, x2, w1, w2, cos, sin, eps, HEAD_DIM: tl.constexpr,
+                       NORM: tl.constexpr):
     """Rotary (NeoX halves) of some heads given as their two halves x1, x2 [rows,
     HALF_PAD] (loaded in the model's dtype, 0 past HEAD_DIM // 2; cos, sin [1, HALF_PAD]
-    fp32); with NORM first an RMSNorm over each head with weight w, rounded where rms_norm
-    rounds it. Returns the two rotated halves in x1's dtype."""
+    fp32); with NORM first an RMSNorm over each head with the weight's halves w1, w2
+    (``load_norm_halves``), rounded where rms_norm rounds it. Returns the two rotated
+    halves in x1's dtype."""
     ty = x1.dtype
     a = x1.to(tl.float32)
     b = x2.to(tl.float32)
     if NORM:
         var = (tl.sum(a * a, axis=1) + tl.sum(b * b, axis=1)) / HEAD_DIM  # [rows]
         inv = tl.math.rsqrt(var + eps)[:, None]
-        dims = tl.arange(0, HALF_PAD)[None, :]
-        dim_ok = dims < HEAD_DIM // 2
-        w1 = tl.load(w_ptr + dims, mask=dim_ok, other=0.0).to(tl.float32)
-        w2 = tl.load(w_ptr + HEAD_DIM // 2 + dims, mask=dim_ok, other=0.0).to(tl.float32)
         a = (w1 * (a * inv).to(ty).to(tl.float32)).to(ty).to(tl.float32)
         b = (w2 * (b * inv).to(ty).to(tl.float32)).to(ty).to(tl.float32)
     return (a * cos - b * sin).to(ty), (b * cos + a * sin).to(ty)
@@ -163,9 +177,10 @@ def _rotate_heads(src, dst, w_ptr, cos, sin, num_heads, eps,
     mask = (heads < num_heads) & (dims < HEAD_DIM // 2)
     first = heads * HEAD_DIM + dims  # [HEADS_PAD, HALF_PAD] offsets of the first halves
     second = first + HEAD_DIM // 2
+    w1, w2 = load_norm_halves(w_ptr, HEAD_DIM, HALF_PAD, NORM)
     y1, y2 = norm_rotate_halves(tl.load(src + first, mask=mask, other=0.0),
                                 tl.load(src + second, mask=mask, other=0.0),
-                                w_ptr, cos, sin, eps, HEAD_DIM, HALF_PAD, NORM)
+                                w1, w2, cos, sin, eps, HEAD_DIM, NORM)
     tl.store(dst + first, y1, mask=mask)
     tl.store(dst + second, y2, mask=mask)
     return y1, y2
