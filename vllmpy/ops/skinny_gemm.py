@@ -44,22 +44,13 @@ PLAIN, RMS_NORM, SILU_MUL = 0, 1, 2
 
 
 @triton.jit
-def _norm_weight(nw_ptr, offs_k, k_ok, NORM: tl.constexpr):
-    # the norm weight's chunk at offs_k in fp32 (zeros without NORM: nothing is read)
-    if NORM:
-        nw = tl.load(nw_ptr + offs_k, mask=k_ok, other=0.0).to(tl.float32)
-    else:
-        nw = tl.zeros(offs_k.shape, tl.float32)
-    return nw
-
-
-@triton.jit
-def _accumulate(acc, w, nw, offs_k, k_ok, x_ptr, res_ptr, rstd, offs_m, M, K,
+def _accumulate(acc, w, offs_k, k_ok, x_ptr, res_ptr, nw_ptr, rstd, offs_m, M, K,
                 stride_xm, stride_rm, NORM: tl.constexpr, SILU: tl.constexpr,
                 HAS_RESIDUAL: tl.constexpr, BLOCK_M: tl.constexpr):
-    # acc [BLOCK_M, BLOCK_N] += (the activation chunk at offs_k, prologue applied) @ w.T;
-    # nw: the norm weight's chunk (_norm_weight)
+    # acc [BLOCK_M, BLOCK_N] += (the activation chunk at offs_k, prologue applied) @ w.T
     dtype = x_ptr.dtype.element_ty
+    if NORM:
+        nw = tl.load(nw_ptr + offs_k, mask=k_ok, other=0.0).to(tl.float32)
     for m in tl.static_range(BLOCK_M):
         # rows past M (BLOCK_M is a power of two) re-read the last row; never stored
         row = tl.minimum(m, M - 1)
@@ -96,13 +87,11 @@ def _skinny_gemm_kernel(
     n_ok = offs_n < N
     m_ok = offs_m < M
     w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn
-    # No kernel writes the weights: the first tile (and its chunk of the norm weight)
-    # loads before waiting for the previous kernel (see vllmpy.ops.pdl), overlapping its
-    # tail.
+    # No kernel writes the weights: the first tile loads before waiting for the previous
+    # kernel (see vllmpy.ops.pdl), overlapping its tail.
     offs_k = tl.arange(0, BLOCK_K)
     k_ok = offs_k < K
     w = tl.load(w_rows + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-    nw = _norm_weight(nw_ptr, offs_k, k_ok, NORM)
     pdl_wait(PDL)
     rstd = tl.zeros((BLOCK_M,), dtype=tl.float32)
     if NORM:
@@ -123,14 +112,13 @@ def _skinny_gemm_kernel(
             row_inv = tl.math.rsqrt(tl.sum(whole_f * whole_f, axis=0) / K + eps)
             rstd = tl.where(offs_m == mm, row_inv, rstd)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc = _accumulate(acc, w, nw, offs_k, k_ok, x_ptr, res_ptr, rstd, offs_m, M, K,
+    acc = _accumulate(acc, w, offs_k, k_ok, x_ptr, res_ptr, nw_ptr, rstd, offs_m, M, K,
                       stride_xm, stride_rm, NORM, SILU, HAS_RESIDUAL, BLOCK_M)
     for k0 in range(BLOCK_K, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_ok = offs_k < K
         w = tl.load(w_rows + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        nw = _norm_weight(nw_ptr, offs_k, k_ok, NORM)
-        acc = _accumulate(acc, w, nw, offs_k, k_ok, x_ptr, res_ptr, rstd, offs_m, M, K,
+        acc = _accumulate(acc, w, offs_k, k_ok, x_ptr, res_ptr, nw_ptr, rstd, offs_m, M, K,
                           stride_xm, stride_rm, NORM, SILU, HAS_RESIDUAL, BLOCK_M)
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
