@@ -20,7 +20,12 @@ IDS, POSITIONS, SLOTS, FILL, SEQ_LENS = range(5)
 NUM_ROWS = 5
 
 
-@triton.jit
+# Rows a program unpacks. One block size and no specialization on the row count keep
+# this to one compiled variant for every decode graph's batch size.
+BLOCK_ROWS = 128
+
+
+@triton.jit(do_not_specialize=["stride_row", "size"])
 def _unpack_kernel(packed_ptr, sampled_ptr, ids_ptr, seq_lens_ptr, stride_row, size,
                    BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -62,9 +67,9 @@ def unpack_decode_inputs(packed: torch.Tensor, sampled: torch.Tensor, ids: torch
     _check(packed, sampled, ids, seq_lens, size)
     if size == 0:
         return
-    block = min(1024, triton.next_power_of_2(size))
-    _unpack_kernel[(triton.cdiv(size, block),)](packed, sampled, ids, seq_lens,
-                                                packed.stride(0), size, BLOCK=block)
+    _unpack_kernel[(triton.cdiv(size, BLOCK_ROWS),)](packed, sampled, ids, seq_lens,
+                                                     packed.stride(0), size,
+                                                     BLOCK=BLOCK_ROWS)
 
 
 def unpack_decode_inputs_ref(packed: torch.Tensor, sampled: torch.Tensor, ids: torch.Tensor,
