@@ -17,8 +17,6 @@ import shutil
 import tempfile
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-
 
 def main() -> int:
     p = argparse.ArgumentParser()
@@ -30,20 +28,15 @@ def main() -> int:
 
     import numpy as np
     import torch
+    from layer_slope import config_with_layers  # a sibling script (benchmarks/)
 
     from vllmpy.engine.llm import LLM
     from vllmpy.sampling_params import SamplingParams
 
-    src = os.path.join(HERE, "configs", args.model)
     tmp = tempfile.mkdtemp(prefix="host_loop-")
-    cfg_dir = os.path.join(tmp, args.model)
-    shutil.copytree(src, cfg_dir)
-    with open(os.path.join(src, "config.json")) as f:
-        cfg = json.load(f)
-    if args.layers:
-        cfg["num_hidden_layers"] = args.layers
-    with open(os.path.join(cfg_dir, "config.json"), "w") as f:
-        json.dump(cfg, f)
+    cfg_dir = config_with_layers(args.model, args.layers, tmp)
+    with open(os.path.join(cfg_dir, "config.json")) as f:
+        num_layers = json.load(f)["num_hidden_layers"]
     llm = LLM(model=cfg_dir, load_format="dummy", device=args.device, dtype="bfloat16",
               num_blocks=512, max_num_seqs=32, max_num_batched_tokens=8192)
     shutil.rmtree(tmp, ignore_errors=True)
@@ -114,7 +107,7 @@ def main() -> int:
             dt = (time.perf_counter() - t) / 200 * 1e6
             torch.cuda.synchronize()
             print(f"  host cost of {label}: {dt:.1f} us")
-    name = f"{args.model} {cfg['num_hidden_layers']}L"
+    name = f"{args.model} {num_layers}L"
     print(f"{name}: {steps} steps, {wall / args.output_len * 1e6:.1f} us per token, "
           f"graph replay alone {replay_us:.1f} us")
     for key, vals in times.items():

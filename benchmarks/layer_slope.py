@@ -21,6 +21,21 @@ import numpy as np
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
+def config_with_layers(model: str, layers: int, into: str) -> str:
+    """A copy of benchmarks/configs/MODEL under ``into`` with ``layers`` decoder layers (0:
+    the config's own count); returns its directory."""
+    src = os.path.join(HERE, "configs", model)
+    cfg_dir = os.path.join(into, f"{model}-{layers}L")
+    shutil.copytree(src, cfg_dir, dirs_exist_ok=True)
+    with open(os.path.join(src, "config.json")) as f:
+        cfg = json.load(f)
+    if layers:
+        cfg["num_hidden_layers"] = layers
+    with open(os.path.join(cfg_dir, "config.json"), "w") as f:
+        json.dump(cfg, f, indent=2)
+    return cfg_dir
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
@@ -28,17 +43,10 @@ def main() -> int:
     p.add_argument("--layers", default="1,4,14,28")
     args = p.parse_args()
     os.makedirs(args.out, exist_ok=True)
-    src = os.path.join(HERE, "configs", args.model)
     rows = []
     configs = tempfile.mkdtemp(prefix="layer_slope-")
     for n in map(int, args.layers.split(",")):
-        cfg_dir = os.path.join(configs, f"{args.model}-{n}L")
-        shutil.copytree(src, cfg_dir, dirs_exist_ok=True)
-        with open(os.path.join(src, "config.json")) as f:
-            cfg = json.load(f)
-        cfg["num_hidden_layers"] = n
-        with open(os.path.join(cfg_dir, "config.json"), "w") as f:
-            json.dump(cfg, f, indent=2)
+        cfg_dir = config_with_layers(args.model, n, configs)
         json_path = os.path.join(args.out, f"{n}L.json")
         cmd = [sys.executable, "-m", "vllmpy.entrypoints.bench", "--model", cfg_dir,
                "--load-format", "dummy", "--device", "cuda", "--dtype", "bfloat16",

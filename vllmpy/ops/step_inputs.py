@@ -25,16 +25,17 @@ NUM_ROWS = 5
 BLOCK_ROWS = 128
 
 
-@triton.jit(do_not_specialize=["stride_row", "size"])
-def _unpack_kernel(packed_ptr, sampled_ptr, ids_ptr, seq_lens_ptr, stride_row, size,
-                   BLOCK: tl.constexpr):
+@triton.jit(do_not_specialize=["size"])
+def _unpack_kernel(host_ids_ptr, fill_ptr, lens_ptr, sampled_ptr, ids_ptr, seq_lens_ptr,
+                   size, BLOCK: tl.constexpr):
+    # host_ids, fill, lens: the packed buffer's rows IDS, FILL and SEQ_LENS
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < size
-    host_ids = tl.load(packed_ptr + 0 * stride_row + offs, mask=ok, other=0)
-    fill = tl.load(packed_ptr + 3 * stride_row + offs, mask=ok, other=-1)
+    host_ids = tl.load(host_ids_ptr + offs, mask=ok, other=0)
+    fill = tl.load(fill_ptr + offs, mask=ok, other=-1)
     dev_ids = tl.load(sampled_ptr + tl.maximum(fill, 0), mask=ok & (fill >= 0), other=0)
     tl.store(ids_ptr + offs, tl.where(fill >= 0, dev_ids, host_ids), mask=ok)
-    lens = tl.load(packed_ptr + 4 * stride_row + offs, mask=ok, other=0)
+    lens = tl.load(lens_ptr + offs, mask=ok, other=0)
     tl.store(seq_lens_ptr + offs, lens.to(tl.int32), mask=ok)
 
 
@@ -67,9 +68,9 @@ def unpack_decode_inputs(packed: torch.Tensor, sampled: torch.Tensor, ids: torch
     _check(packed, sampled, ids, seq_lens, size)
     if size == 0:
         return
-    _unpack_kernel[(triton.cdiv(size, BLOCK_ROWS),)](packed, sampled, ids, seq_lens,
-                                                     packed.stride(0), size,
-                                                     BLOCK=BLOCK_ROWS)
+    _unpack_kernel[(triton.cdiv(size, BLOCK_ROWS),)](
+        packed[IDS], packed[FILL], packed[SEQ_LENS], sampled, ids, seq_lens, size,
+        BLOCK=BLOCK_ROWS)
 
 
 def unpack_decode_inputs_ref(packed: torch.Tensor, sampled: torch.Tensor, ids: torch.Tensor,

@@ -405,16 +405,22 @@ class ModelRunner(StartupMixin):
         a grammar, which all depend on the tokens generated so far."""
         return self._overlap_safe
 
+    def _sampled_sources(self, req_ids: list[str], step: StepInputs
+                         ) -> tuple[torch.Tensor, list[int]]:
+        """The last launched step's sampled ids, and for each of this step's tokens the
+        host does not know yet (``unknown_rows``) the row of them that holds it."""
+        if self._last_sampled is None:
+            raise RuntimeError("a step reads tokens that no launched step sampled")
+        sampled_t, index = self._last_sampled
+        return sampled_t, [index[req_ids[i]] for i in step.unknown_reqs]
+
     def _device_tokens(self, req_ids: list[str], step: StepInputs
                        ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(input rows, token ids on the device) for the positions whose token the host
         does not know yet: each was sampled by the last launched step."""
         if not step.unknown_rows:
             return None
-        if self._last_sampled is None:
-            raise RuntimeError("a step reads tokens that no launched step sampled")
-        sampled_t, index = self._last_sampled
-        src = [index[req_ids[i]] for i in step.unknown_reqs]
+        sampled_t, src = self._sampled_sources(req_ids, step)
         dst = self._stage("fill_dst", np.asarray(step.unknown_rows, dtype=np.int64))
         src_t = self._stage("fill_src", np.asarray(src, dtype=np.int64))
         return (dst.to(self.device, non_blocking=True),
@@ -425,12 +431,8 @@ class ModelRunner(StartupMixin):
         ids that holds its token, -1 where the host knows it; None when it knows all."""
         if not step.unknown_rows:
             return None
-        if self._last_sampled is None:
-            raise RuntimeError("a step reads tokens that no launched step sampled")
-        index = self._last_sampled[1]
         rows = np.full(len(req_ids), -1, dtype=np.int64)
-        for row, req in zip(step.unknown_rows, step.unknown_reqs):
-            rows[row] = index[req_ids[req]]
+        rows[step.unknown_rows] = self._sampled_sources(req_ids, step)[1]
         return rows
 
     def _copy_to_host(self, sampled: torch.Tensor
