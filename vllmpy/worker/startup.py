@@ -29,7 +29,7 @@ from vllmpy.ops.precompile import (
     take_started,
 )
 from vllmpy.sample.metadata import SamplingMetadata
-from vllmpy.sample.sampler import Sampler
+from vllmpy.sample.sampler import Sampler, greedy_ids
 from vllmpy.sampling_params import SamplingParams
 from vllmpy.worker.cuda_graphs import StepGraphs, mixed_capture_sizes
 
@@ -100,8 +100,12 @@ class StartupMixin:
                 self._bind_kv_caches(self._scratch_caches(tokens))
                 # what profile_kv_budget and capture run, through the first two layers
                 with _first_layers(self.model, 2), record_variants() as variants:
-                    self._profile_forward(self._fresh_seq_lens(tokens),
-                                          min(sched.max_num_seqs, tokens))
+                    logits = self._profile_forward(self._fresh_seq_lens(tokens),
+                                                   min(sched.max_num_seqs, tokens))
+                    # greedy sampling's argmax, on the head's logits and on float32 ones
+                    greedy_ids(logits)
+                    greedy_ids(logits.float())
+                    del logits
                     if not self.config.enforce_eager:
                         self._profile_forward([1] * sched.max_num_seqs, sched.max_num_seqs)
                         mixed = mixed_capture_sizes(tokens)
