@@ -1,6 +1,7 @@
 """A/B of GPU table rows under environment settings: each variant runs
 ``gpu_table.py --rows ROWS --peer ""`` in a fresh process with its variables set, twice
-when ``--repeat 2``, and a short table comes last (rows x variants, output tok/s).
+when ``--repeat 2``, and a short table comes last (rows x variants: decode tok/s for P1 and P2, output
+tok/s for the others).
 
     python benchmarks/ab_rows.py --out DIR --rows P2,P1 \
         --variant base: --variant whole:VT_EXP_WHOLE=32768:16:2
@@ -45,8 +46,10 @@ def main() -> int:
             except OSError:
                 results = []
             for r in results:
+                # P1 and P2 are measured by the decode rate; the other rows by output tok/s
                 table.setdefault(r["row"], {}).setdefault(name, []).append(
-                    r.get("output_throughput", float("nan")))
+                    r.get("decode_throughput_per_request", float("nan"))
+                    if r["row"] in ("P1", "P2") else r.get("output_throughput", float("nan")))
             got = ", ".join(f"{r['row']} {r.get('output_throughput', float('nan')):.1f}"
                             f" (decode {r.get('decode_throughput_per_request', float('nan')):.1f})"
                             for r in results)

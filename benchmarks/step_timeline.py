@@ -91,6 +91,24 @@ def main() -> None:
     for s, e, name in spans:
         by_name[name].append(e - s)
     rows = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))
+    # Each interval's share of the critical path: how far it moves the latest end seen so
+    # far. Under PDL a kernel starts before the one ahead of it ends, so its own duration
+    # overstates what it adds to the step; this increment does not.
+    chain: dict[str, float] = collections.defaultdict(float)
+    latest = spans[0][0]
+    for s, e, name in spans:
+        chain[name] += max(0.0, e - max(s, latest))  # idle time before s is not counted
+        latest = max(latest, e)
+    chain_rows = sorted(chain.items(), key=lambda kv: -kv[1])
+    # the one-row GEMMs by their place in a layer (qkv, o, gate_up, down in a decode step)
+    gemm_slots = [0.0] * 4
+    seen = 0
+    latest = spans[0][0]
+    for s, e, name in spans:
+        if name == "_skinny_gemm_kernel":
+            gemm_slots[seen % 4] += max(0.0, e - max(s, latest))
+            seen += 1
+        latest = max(latest, e)
     big_gaps = sorted(gaps, reverse=True)
     cpu = prof.key_averages()
     cpu_rows = sorted((a for a in cpu if a.device_type.name == "CPU"),
@@ -104,6 +122,9 @@ def main() -> None:
         "largest_gaps_us": [round(g, 1) for g in big_gaps[:12]],
         "kernels": [{"name": k[:90], "per_step": len(v) / n, "us_per_step": sum(v) / n}
                     for k, v in rows[:30]],
+        "gemm_critical_path_by_place_us": [round(v / n, 1) for v in gemm_slots],
+        "critical_path": [{"name": k[:90], "per_step": len(by_name[k]) / n,
+                           "us_per_step": v / n} for k, v in chain_rows[:30]],
         "cpu_self": [{"name": a.key[:80], "calls_per_step": a.count / n,
                       "self_us_per_step": a.self_cpu_time_total / n} for a in cpu_rows],
     }
@@ -115,6 +136,11 @@ def main() -> None:
           f"({report['gaps_over_20us_per_step']:.1f} gaps > 20 us per step); largest gaps (us) "
           f"{report['largest_gaps_us'][:6]}")
     for k in report["kernels"][:14]:
+        print(f"  {k['us_per_step']:9.1f} us {k['per_step']:6.1f}x  {k['name']}")
+    print(f"  one-row GEMMs' critical path by place in the layer (qkv, o, gate_up, down), us "
+          f"per step: {report['gemm_critical_path_by_place_us']}")
+    print("  critical path (how far each kernel moves the step's end):")
+    for k in report["critical_path"][:14]:
         print(f"  {k['us_per_step']:9.1f} us {k['per_step']:6.1f}x  {k['name']}")
     for a in report["cpu_self"][:12]:
         print(f"  cpu {a['self_us_per_step']:9.1f} us {a['calls_per_step']:6.1f}x  {a['name']}")
