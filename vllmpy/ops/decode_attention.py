@@ -46,6 +46,11 @@ from vllmpy.ops.pdl import pdl_args, pdl_wait
 
 # keys per loop iteration, as paged_attention's decode launch takes them
 TILE_N = 64
+# keys per tile of a split launch (a small batch's): the split programs' usual single tile
+# is half as long, and twice as many programs share a request's keys. Measured on the H200
+# (docs/BENCHMARKS.md), this took Qwen3-0.6B's batch-1 decode from 1,422-1,425 to
+# 1,452-1,456 tok/s.
+SPLIT_TILE_N = 32
 # Split-KV gives each split at least this many tiles of the request's keys: a shorter
 # request uses fewer of the launch's splits (the rest exit at once), and a request that
 # needs only one writes its output directly, so the merge has nothing to do for it.
@@ -317,6 +322,7 @@ def decode_attention(qkv: torch.Tensor, positions: torch.Tensor, cos_sin_cache: 
         raise ValueError(f"min_tiles_per_split must be at least 1, got {min_tiles_per_split}")
     part_acc, part_ml = partial_buffers(out, num_seqs, num_heads, num_splits, head_dim)
     group = num_heads // num_kv_heads
+    tile = SPLIT_TILE_N if num_splits > 1 else TILE_N  # the merge counts the same tiles
     pdl = pdl_args(qkv.device)
     _decode_attention_kernel[(num_seqs, num_kv_heads, num_splits)](
         qkv, positions, cos_sin_cache, q_norm_weight if qk_norm else qkv,
@@ -326,7 +332,7 @@ def decode_attention(qkv: torch.Tensor, positions: torch.Tensor, cos_sin_cache: 
         qkv.stride(0), cos_sin_cache.stride(0), out.stride(0), out.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         block_tables.stride(0),
-        GROUP=group, BLOCK_M=max(16, triton.next_power_of_2(group)), TILE=TILE_N,
+        GROUP=group, BLOCK_M=max(16, triton.next_power_of_2(group)), TILE=tile,
         HEAD_DIM=head_dim, BLOCK_SIZE=block_size, SPLIT=num_splits > 1,
         MIN_TILES=min_tiles_per_split, QK_NORM=qk_norm,
         DOT_PRECISION="ieee" if qkv.dtype == torch.float32 else "tf32",
@@ -335,7 +341,7 @@ def decode_attention(qkv: torch.Tensor, positions: torch.Tensor, cos_sin_cache: 
     if num_splits > 1:
         _merge_kernel[(num_seqs, num_heads)](
             part_acc, part_ml, out, seq_lens, num_splits, num_heads,
-            out.stride(0), out.stride(1), TILE=TILE_N, MIN_TILES=min_tiles_per_split,
+            out.stride(0), out.stride(1), TILE=tile, MIN_TILES=min_tiles_per_split,
             SPLITS_PAD=triton.next_power_of_2(num_splits), HEAD_DIM=head_dim, num_warps=4,
             **pdl,
         )
