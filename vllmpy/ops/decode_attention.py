@@ -46,11 +46,13 @@ from vllmpy.ops.pdl import pdl_args, pdl_wait
 
 # keys per loop iteration, as paged_attention's decode launch takes them
 TILE_N = 64
-# keys per tile of a split launch (a small batch's): the split programs' usual single tile
-# is half as long, and twice as many programs share a request's keys. Measured on the H200
-# (docs/BENCHMARKS.md), this took Qwen3-0.6B's batch-1 decode from 1,422-1,425 to
-# 1,452-1,456 tok/s.
+# A split launch (a small batch's) and its merge, as measured on the H200 for Qwen3-0.6B's
+# batch-1 decode (docs/BENCHMARKS.md): 32-key tiles, so that a split program's usual single
+# tile is half as long and twice as many programs share a request's keys (1,422-1,425 to
+# 1,452-1,456 tok/s); the attention on 8 warps and the merge on 2 (to 1,496-1,501).
 SPLIT_TILE_N = 32
+SPLIT_WARPS = 8
+MERGE_WARPS = 2
 # Split-KV gives each split at least this many tiles of the request's keys: a shorter
 # request uses fewer of the launch's splits (the rest exit at once), and a request that
 # needs only one writes its output directly, so the merge has nothing to do for it.
@@ -336,13 +338,14 @@ def decode_attention(qkv: torch.Tensor, positions: torch.Tensor, cos_sin_cache: 
         HEAD_DIM=head_dim, BLOCK_SIZE=block_size, SPLIT=num_splits > 1,
         MIN_TILES=min_tiles_per_split, QK_NORM=qk_norm,
         DOT_PRECISION="ieee" if qkv.dtype == torch.float32 else "tf32",
-        num_warps=4, num_stages=3, **pdl,
+        num_warps=SPLIT_WARPS if num_splits > 1 else 4, num_stages=3, **pdl,
     )
     if num_splits > 1:
         _merge_kernel[(num_seqs, num_heads)](
             part_acc, part_ml, out, seq_lens, num_splits, num_heads,
             out.stride(0), out.stride(1), TILE=tile, MIN_TILES=min_tiles_per_split,
-            SPLITS_PAD=triton.next_power_of_2(num_splits), HEAD_DIM=head_dim, num_warps=4,
+            SPLITS_PAD=triton.next_power_of_2(num_splits), HEAD_DIM=head_dim,
+            num_warps=MERGE_WARPS,
             **pdl,
         )
     return out
