@@ -82,7 +82,7 @@ def greedy_ids(scores: torch.Tensor, out: torch.Tensor | None = None) -> torch.T
     if scores.is_cuda:
         from vllmpy.ops.argmax import argmax_rows  # Triton, imported only on a GPU
 
-        return argmax_rows(scores, out)
+        return argmax_rows(scores if scores.stride(-1) == 1 else scores.contiguous(), out)
     if out is not None:
         return torch.argmax(scores, dim=-1, out=out)
     return scores.argmax(dim=-1)
