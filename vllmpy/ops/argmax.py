@@ -4,7 +4,8 @@
 on an H200, about 1% of a small model's decode step. Here each row is cut into chunks of
 ``CHUNK`` logits; one launch finds each chunk's largest logit and its first position, a
 second picks each row's winner from its chunks. The result is ``torch.argmax``'s: the
-first position of the largest value, a NaN counting as larger than any number.
+first position of the largest value, a NaN counting as larger than any number and -0.0 as
+equal to +0.0.
 """
 
 from __future__ import annotations
