@@ -35,12 +35,17 @@ ROWS = {
 }
 
 
+def bench_command(model_dir: str, json_path: str, extra: list[str]) -> list[str]:
+    """vllm-bench on the GPU with dummy bf16 weights for the config in ``model_dir``."""
+    return [sys.executable, "-m", "vllmpy.entrypoints.bench", "--model", model_dir,
+            "--load-format", "dummy", "--device", "cuda", "--dtype", "bfloat16",
+            "--output-json", json_path, *extra]
+
+
 def run_row(row: str, out_dir: str) -> dict:
     model, extra = ROWS[row]
     json_path = os.path.join(out_dir, f"{row}.json")
-    cmd = [sys.executable, "-m", "vllmpy.entrypoints.bench", "--model", CONFIGS[model],
-           "--load-format", "dummy", "--device", "cuda", "--dtype", "bfloat16",
-           "--output-json", json_path, *extra]
+    cmd = bench_command(CONFIGS[model], json_path, extra)
     start = time.time()
     with open(os.path.join(out_dir, f"{row}.log"), "w") as log:
         proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, text=True)

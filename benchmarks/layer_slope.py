@@ -13,7 +13,6 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 import tempfile
 
 import numpy as np
@@ -42,16 +41,15 @@ def main() -> int:
     p.add_argument("--model", default="qwen3-0.6b")
     p.add_argument("--layers", default="1,4,14,28")
     args = p.parse_args()
+    from gpu_table import ROWS, bench_command  # a sibling script (benchmarks/)
+
     os.makedirs(args.out, exist_ok=True)
     rows = []
     configs = tempfile.mkdtemp(prefix="layer_slope-")
     for n in map(int, args.layers.split(",")):
         cfg_dir = config_with_layers(args.model, n, configs)
         json_path = os.path.join(args.out, f"{n}L.json")
-        cmd = [sys.executable, "-m", "vllmpy.entrypoints.bench", "--model", cfg_dir,
-               "--load-format", "dummy", "--device", "cuda", "--dtype", "bfloat16",
-               "--warmup", "1", "--num-prompts", "1", "--input-len", "512",
-               "--output-len", "256", "--num-blocks", "512", "--output-json", json_path]
+        cmd = bench_command(cfg_dir, json_path, ROWS["P2"][1])  # P2's workload
         with open(os.path.join(args.out, f"{n}L.log"), "w") as log:
             rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT).returncode
         if rc != 0 or not os.path.exists(json_path):
