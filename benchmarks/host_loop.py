@@ -4,7 +4,7 @@ host: scheduling, launching a step, waiting for a step's sampled ids, recording 
 the frontend's output processing. Also times the decode graph's replay alone (the device
 floor of a step's forward and logits). A step whose wait is near zero is host-bound.
 
-    python benchmarks/host_loop.py [--model qwen3-0.6b] [--layers 28]
+    python benchmarks/host_loop.py [--model qwen3-0.6b] [--layers 28] [--repeat N]
 """
 
 from __future__ import annotations
@@ -24,6 +24,9 @@ def main() -> int:
     p.add_argument("--layers", type=int, default=0, help="0: the config's own count")
     p.add_argument("--output-len", type=int, default=256)
     p.add_argument("--device", default="cuda")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="timed generations; with more than one, a line per generation "
+                        "tells a slow one's host time from its GPU time")
     args = p.parse_args()
 
     import numpy as np
@@ -76,20 +79,37 @@ def main() -> int:
         timed(runner.graphs, "run", "  launch: graphs.run")
         timed(torch.cuda.CUDAGraph, "replay", "    graphs.run: replay")
 
-    t = time.perf_counter()
-    llm.generate([prompt], params, use_tqdm=False)
-    wall = time.perf_counter() - t
-
-    graphs = core.model_runner.graphs
-    replay_us = float("nan")
-    if graphs is not None:
+    def replay_alone() -> float:
+        """µs per replay of the smallest decode graph, nothing else running."""
+        graphs = core.model_runner.graphs
+        if graphs is None:
+            return float("nan")
         torch.cuda.synchronize()
         t = time.perf_counter()
         for _ in range(100):
             graphs.graphs[graphs.sizes[0]].replay()
         torch.cuda.synchronize()
-        replay_us = (time.perf_counter() - t) / 100 * 1e6
+        return (time.perf_counter() - t) / 100 * 1e6
 
+    walls = []
+    for turn in range(args.repeat):
+        marks = {key: (len(v), sum(v)) for key, v in times.items()}
+        t = time.perf_counter()
+        llm.generate([prompt], params, use_tqdm=False)
+        walls.append(time.perf_counter() - t)
+        if args.repeat > 1:
+            def per_step(key: str) -> float:
+                n0, s0 = marks.get(key, (0, 0.0))
+                vals = times.get(key, [])
+                return (sum(vals) - s0) / max(len(vals) - n0, 1) * 1e6
+            print(f"  generation {turn}: {walls[-1] / args.output_len * 1e6:7.1f} us per "
+                  f"token; per step: launch {per_step('launch'):6.1f} us, event waits "
+                  f"{per_step('event waits'):6.1f} us, schedule {per_step('schedule'):5.1f}"
+                  f" us, frontend {per_step('frontend process_outputs'):5.1f} us; graph "
+                  f"replay alone after it {replay_alone():6.1f} us", flush=True)
+    wall = sorted(walls)[len(walls) // 2]
+
+    replay_us = replay_alone()
     steps = len(times["LLM step (all)"])
     if args.device == "cuda":  # host cost of single calls, the GPU idle
         x = torch.randn(1, 151936, device="cuda", dtype=torch.bfloat16)
