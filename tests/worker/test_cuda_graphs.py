@@ -122,3 +122,52 @@ def test_a_cached_prefix_hit_replays_a_mixed_graph(tiny):
     assert warm.num_cached_tokens > 0
     assert replays == [len(prompt) - warm.num_cached_tokens]
     assert warm.outputs[0].token_ids == cold.outputs[0].token_ids
+
+
+def _launch_events(llm) -> list[str]:
+    """Spies on the runner: 'replay' for each decode-graph replay, 'sample' for each
+    sampler call, in order (a step's replay comes before its sampler call, if any)."""
+    runner = llm.engine.engine_core.model_runner
+    events: list[str] = []
+    run, sample = runner.graphs.run, runner.sampler.sample
+
+    def spy_run(*a, **kw):
+        events.append("replay")
+        return run(*a, **kw)
+
+    def spy_sample(*a, **kw):
+        events.append("sample")
+        return sample(*a, **kw)
+
+    runner.graphs.run = spy_run
+    runner.sampler.sample = spy_sample
+    return events
+
+
+@cuda
+@pytest.mark.parametrize("other", ["greedy", "seeded", "penalty"])
+def test_greedy_decode_steps_take_the_graphs_argmax(tiny, other):
+    """A decode step whose requests all sample greedily, with nothing that changes their
+    logits, takes the decode graph's own argmax and calls no sampler; one with a seeded
+    random request or a repetition penalty beside them runs the sampler over the graph's
+    logits. Both give the eager engine's tokens."""
+    prompts = _prompts(4, COMMON["vocab_size"], seed=11)
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    last = {"greedy": greedy,
+            "seeded": SamplingParams(temperature=0.8, seed=5, max_tokens=12, ignore_eos=True),
+            "penalty": SamplingParams(temperature=0.0, repetition_penalty=1.5, max_tokens=12,
+                                      ignore_eos=True)}[other]
+    params = [greedy] * 3 + [last]
+    eager, _ = _run(tiny, True, prompts, params)
+    llm = LLM(tiny, skip_tokenizer_init=True, device="cuda", dtype="float32", block_size=16,
+              num_blocks=256)
+    events = _launch_events(llm)
+    graph = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert [o.token_ids for o in graph] == [o.token_ids for o in eager]
+    replays = [i for i, e in enumerate(events) if e == "replay"]
+    assert len(replays) >= 10  # the decode steps went through the graphs
+    followed = [i + 1 < len(events) and events[i + 1] == "sample" for i in replays]
+    if other == "greedy":
+        assert not any(followed)
+    else:
+        assert all(followed)

@@ -51,7 +51,7 @@ class Sampler(torch.nn.Module):
         if logits.dim() != 2 or tuple(logits.shape) != (md.num_reqs, md.vocab_size):
             raise ValueError(f"logits of shape {tuple(logits.shape)} do not match the "
                              f"metadata ({md.num_reqs} requests, vocab {md.vocab_size})")
-        if md.all_greedy and md.no_penalties and md.no_logit_bias and md.no_min_tokens:
+        if plain_argmax(md):
             # Converting to float32 is exact and monotonic, so it cannot change the argmax;
             # on the CPU the float32 argmax is several times faster than the bfloat16 one
             # (0.38 against 1.47 ms for 16 x 49,152 logits on the 2-core machine).
@@ -73,6 +73,12 @@ class Sampler(torch.nn.Module):
             return sampled, logits
         assert md.greedy_mask is not None
         return torch.where(md.greedy_mask, greedy, sampled), logits
+
+
+def plain_argmax(md: SamplingMetadata) -> bool:
+    """Whether every row's id is the argmax of its logits as they come: all greedy, and no
+    bias, penalty or min_tokens mask changes a logit."""
+    return md.all_greedy and md.no_penalties and md.no_logit_bias and md.no_min_tokens
 
 
 def greedy_ids(scores: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:

@@ -1,5 +1,5 @@
-"""CUDA graphs of the model's forward, sharing one memory pool: decode graphs (the forward
-and its logits) for a list of batch sizes, and mixed graphs (the forward alone) for small
+"""CUDA graphs of the model's forward, sharing one memory pool: decode graphs (the forward,
+its logits and each row's argmax) for a list of batch sizes, and mixed graphs (the forward alone) for small
 steps that carry prefill tokens.
 
 A decode step (every request computes one token) replays the decode graph of the smallest
@@ -15,7 +15,8 @@ empty, so attention skips them and their hidden states are discarded. A decode s
 per-request inputs go to the device in one copy of a packed buffer (``vllmpy.ops.
 step_inputs``), and its block table in a second; the graph's first kernel takes each token
 id the host does not know yet from the previous step's sampled ids (``sampled``), which
-stay on the device.
+stay on the device. A decode graph ends by writing each row's argmax there too, so that
+a step of greedy requests needs no sampler launch after the replay.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import torch
 from torch import nn
 
 from vllmpy.attention.metadata import AttentionMetadata
+from vllmpy.sample.sampler import greedy_ids
 
 # Mixed graphs are captured for these step token counts (up to the step budget). Up to
 # 2,048 tokens an eager forward's host time (launching every kernel of every layer) is
@@ -162,7 +164,8 @@ class StepGraphs:
         self.query_start_loc.copy_(self.arange)
         self._qsl_is_arange = True
         for size in reversed(self.sizes):
-            self.model.compute_logits(self._decode_forward(size))  # type: ignore[operator]
+            logits = self.model.compute_logits(self._decode_forward(size))  # type: ignore[operator]
+            greedy_ids(logits, out=self.sampled[:size])
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -194,6 +197,10 @@ class StepGraphs:
             with torch.cuda.graph(graph, pool=pool):
                 hidden = self._decode_forward(size)
                 self.model.compute_logits(hidden, out=self.logits[:size])  # type: ignore[operator]
+                # every row's argmax, where the sampler puts its ids: a step whose requests
+                # all sample greedily, with nothing that changes their logits, takes these
+                # and skips the sampler's launches on the host
+                greedy_ids(self.logits[:size], out=self.sampled[:size])
             if pool is None:
                 pool = graph.pool()
             self.graphs[size] = graph
@@ -205,7 +212,8 @@ class StepGraphs:
             fill_rows: np.ndarray | None = None,
             copied: torch.cuda.Event | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Replay for a decode step of ``n`` requests; returns (hidden states [n, hidden],
-        logits [n, vocab]), views of the graph's outputs that the next replay overwrites.
+        logits [n, vocab]), views of the graph's outputs that the next replay overwrites;
+        ``sampled[:n]`` then holds each row's argmax (greedy's ids, before any sampler).
         The per-request inputs are host arrays (``n`` entries each), ``block_tables`` [n,
         width] a pinned host or a device tensor. ``fill_rows[i]`` >= 0 takes request i's
         token from that row of ``sampled`` (the previous step's ids, still on the device)

@@ -32,7 +32,7 @@ from vllmpy.sample.logprobs import (
     sampled_logprobs,
 )
 from vllmpy.sample.metadata import SamplingMetadata
-from vllmpy.sample.sampler import Sampler
+from vllmpy.sample.sampler import Sampler, plain_argmax
 from vllmpy.sampling_params import SamplingParams
 from vllmpy.structured_output.bitmask import apply_step_grammar_bitmask
 from vllmpy.worker.cuda_graphs import StepGraphs
@@ -383,11 +383,17 @@ class ModelRunner(StartupMixin):
         states = [self.requests[req_ids[i]] for i in step.sample_rows]
         metadata = self._sampling_metadata(
             tuple(req_ids[i] for i in step.sample_rows), states)
-        # on CUDA the ids land in the graphs' buffer, where the next decode graph reads
-        # the tokens it needs before the host has them
-        sampled_t, processed = self.sampler.sample(
-            logits, metadata,
-            out=graphs.sampled[:len(states)] if graphs is not None else None)
+        if (graph_logits is not None and logits_idx is None and out.grammar_bitmask is None
+                and plain_argmax(metadata)):
+            # the decode graph's own argmax of these logits is the sampler's answer
+            assert graphs is not None
+            sampled_t, processed = graphs.sampled[:n], logits
+        else:
+            # on CUDA the ids land in the graphs' buffer, where the next decode graph reads
+            # the tokens it needs before the host has them
+            sampled_t, processed = self.sampler.sample(
+                logits, metadata,
+                out=graphs.sampled[:len(states)] if graphs is not None else None)
         lp = sampled_logprobs([s.sampling_params for s in states], logits, processed,
                               sampled_t)
         # The next step may read these ids before the host does (async scheduling).
