@@ -13,9 +13,10 @@ Every graph reads its inputs from static device buffers; rows past the real batc
 padding: their KV slot is -1 (not stored), their sequence length 0 and their query range
 empty, so attention skips them and their hidden states are discarded. A decode step's
 per-request inputs go to the device in one copy of a packed buffer (``vllmpy.ops.
-step_inputs``), and its block table in a second; the graph's first kernel takes each token
-id the host does not know yet from the previous step's sampled ids (``sampled``), which
-stay on the device. A decode graph ends by writing each row's argmax there too, so that
+step_inputs``), and its block table in a second when it changed since the last decode
+step (a request gets a new block every block_size tokens); the graph's first kernel takes
+each token id the host does not know yet from the previous step's sampled ids
+(``sampled``), which stay on the device. A decode graph ends by writing each row's argmax there too, so that
 a step of greedy requests needs no sampler launch after the replay.
 """
 
@@ -86,6 +87,13 @@ class StepGraphs:
         self.decode_positions = self.decode_inputs[step_inputs.POSITIONS]
         self.decode_slots = self.decode_inputs[step_inputs.SLOTS]
         self.decode_ids = torch.zeros(seqs, dtype=torch.int64, device=device)
+        # the block tables [n, width] a decode step last copied to ``block_tables``, while
+        # nothing has overwritten them since (None: unknown); a decode step whose tables
+        # equal them (a request gets a new block every block_size tokens) copies nothing.
+        # Their pinned host side, flat: a step's [n, width] is its first n * width entries.
+        self._tables: np.ndarray | None = None
+        self._tables_host = torch.zeros(seqs * width, dtype=torch.int32,
+                                        pin_memory=device.type == "cuda")
         self.sampled = torch.zeros(seqs, dtype=torch.int64, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}  # decode graphs by batch size
         # size -> (hidden states [size, hidden], logits [size, vocab])
@@ -208,16 +216,16 @@ class StepGraphs:
         torch.cuda.synchronize()
 
     def run(self, n: int, input_ids: np.ndarray, positions: np.ndarray,
-            slot_mapping: np.ndarray, seq_lens: np.ndarray, block_tables: torch.Tensor,
+            slot_mapping: np.ndarray, seq_lens: np.ndarray, block_tables: np.ndarray,
             fill_rows: np.ndarray | None = None,
             copied: torch.cuda.Event | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Replay for a decode step of ``n`` requests; returns (hidden states [n, hidden],
         logits [n, vocab]), views of the graph's outputs that the next replay overwrites;
         ``sampled[:n]`` then holds each row's argmax (greedy's ids, before any sampler).
-        The per-request inputs are host arrays (``n`` entries each), ``block_tables`` [n,
-        width] a pinned host or a device tensor. ``fill_rows[i]`` >= 0 takes request i's
-        token from that row of ``sampled`` (the previous step's ids, still on the device)
-        instead of ``input_ids[i]``. The caller must not rewrite the pinned inputs before
+        The per-request inputs are host arrays (``n`` entries each), ``block_tables`` an
+        int32 [n, width] (copied only when it differs from the last decode step's).
+        ``fill_rows[i]`` >= 0 takes request i's token from that row of ``sampled`` (the
+        previous step's ids, still on the device) instead of ``input_ids[i]``. The caller must not rewrite the pinned inputs before
         ``copied``, recorded once they are copied (before the replay), has passed."""
         size = next(s for s in self.sizes if s >= n)
         from vllmpy.ops import step_inputs
@@ -234,8 +242,12 @@ class StepGraphs:
             host[step_inputs.FILL, n:size] = -1
         # one copy for all rows; the graph reads only its first `size` columns of each
         self.decode_inputs.copy_(self._decode_host, non_blocking=True)
-        width = block_tables.shape[1]
-        self.block_tables[:n, :width].copy_(block_tables, non_blocking=True)
+        if self._tables is None or not np.array_equal(self._tables, block_tables):
+            width = block_tables.shape[1]
+            staged = self._tables_host[:n * width].view(n, width)
+            staged.numpy()[:] = block_tables
+            self.block_tables[:n, :width].copy_(staged, non_blocking=True)
+            self._tables = np.array(block_tables, dtype=np.int32, copy=True)
         if not self._qsl_is_arange:  # a mixed step rewrote it
             self.query_start_loc.copy_(self.arange)
             self._qsl_is_arange = True
@@ -265,6 +277,7 @@ class StepGraphs:
             self.seq_lens[n:seqs].zero_()
         width = block_tables.shape[1]
         self.block_tables[:n, :width].copy_(block_tables, non_blocking=True)
+        self._tables = None  # the decode step after this copies its tables again
         if copied is not None:
             copied.record()
         self.mixed_graphs[size].replay()

@@ -340,8 +340,7 @@ class ModelRunner(StartupMixin):
             # by the step still in flight is taken on the device, inside the graph.
             hidden, graph_logits = graphs.run(
                 n, step.input_ids, step.positions, step.slot_mapping, step.seq_lens,
-                self._stage("block_tables", step.block_tables),
-                self._fill_rows(req_ids, step), copied)
+                step.block_tables, self._fill_rows(req_ids, step), copied)
             if len(step.sample_rows) < n:  # a one-token prefill chunk samples nothing
                 logits_idx = torch.as_tensor(step.sample_rows, device=self.device)
                 graph_logits = graph_logits[logits_idx]
