@@ -91,6 +91,12 @@ def main() -> int:
         torch.cuda.synchronize()
         return (time.perf_counter() - t) / 100 * 1e6
 
+    def per_step(key: str, marks: dict[str, tuple[int, float]]) -> float:
+        """µs per call of ``key`` since ``marks`` (calls and total time at a point)."""
+        n0, s0 = marks.get(key, (0, 0.0))
+        vals = times.get(key, [])
+        return (sum(vals) - s0) / max(len(vals) - n0, 1) * 1e6
+
     walls = []
     for turn in range(args.repeat):
         marks = {key: (len(v), sum(v)) for key, v in times.items()}
@@ -98,15 +104,12 @@ def main() -> int:
         llm.generate([prompt], params, use_tqdm=False)
         walls.append(time.perf_counter() - t)
         if args.repeat > 1:
-            def per_step(key: str) -> float:
-                n0, s0 = marks.get(key, (0, 0.0))
-                vals = times.get(key, [])
-                return (sum(vals) - s0) / max(len(vals) - n0, 1) * 1e6
             print(f"  generation {turn}: {walls[-1] / args.output_len * 1e6:7.1f} us per "
-                  f"token; per step: launch {per_step('launch'):6.1f} us, event waits "
-                  f"{per_step('event waits'):6.1f} us, schedule {per_step('schedule'):5.1f}"
-                  f" us, frontend {per_step('frontend process_outputs'):5.1f} us; graph "
-                  f"replay alone after it {replay_alone():6.1f} us", flush=True)
+                  f"token; per step: launch {per_step('launch', marks):6.1f} us, event "
+                  f"waits {per_step('event waits', marks):6.1f} us, schedule "
+                  f"{per_step('schedule', marks):5.1f} us, frontend "
+                  f"{per_step('frontend process_outputs', marks):5.1f} us; graph replay "
+                  f"alone after it {replay_alone():6.1f} us", flush=True)
     wall = sorted(walls)[len(walls) // 2]
 
     replay_us = replay_alone()

@@ -1,6 +1,6 @@
 """CUDA graphs of the model's forward, sharing one memory pool: decode graphs (the forward,
-its logits and each row's argmax) for a list of batch sizes, and mixed graphs (the forward alone) for small
-steps that carry prefill tokens.
+its logits and each row's argmax) for a list of batch sizes, and mixed graphs (the forward
+alone) for small steps that carry prefill tokens.
 
 A decode step (every request computes one token) replays the decode graph of the smallest
 captured size that holds it. A step of at most ``max_mixed_tokens`` tokens that is not a
@@ -16,8 +16,8 @@ per-request inputs go to the device in one copy of a packed buffer (``vllmpy.ops
 step_inputs``), and its block table in a second when it changed since the last decode
 step (a request gets a new block every block_size tokens); the graph's first kernel takes
 each token id the host does not know yet from the previous step's sampled ids
-(``sampled``), which stay on the device. A decode graph ends by writing each row's argmax there too, so that
-a step of greedy requests needs no sampler launch after the replay.
+(``sampled``), which stay on the device. A decode graph ends by writing each row's argmax
+there too, so that a step of greedy requests needs no sampler launch after the replay.
 """
 
 from __future__ import annotations
@@ -172,7 +172,8 @@ class StepGraphs:
         self.query_start_loc.copy_(self.arange)
         self._qsl_is_arange = True
         for size in reversed(self.sizes):
-            logits = self.model.compute_logits(self._decode_forward(size))  # type: ignore[operator]
+            hidden = self._decode_forward(size)
+            logits = self.model.compute_logits(hidden)  # type: ignore[operator]
             greedy_ids(logits, out=self.sampled[:size])
 
     @torch.inference_mode()
@@ -225,8 +226,9 @@ class StepGraphs:
         The per-request inputs are host arrays (``n`` entries each), ``block_tables`` an
         int32 [n, width] (copied only when it differs from the last decode step's).
         ``fill_rows[i]`` >= 0 takes request i's token from that row of ``sampled`` (the
-        previous step's ids, still on the device) instead of ``input_ids[i]``. The caller must not rewrite the pinned inputs before
-        ``copied``, recorded once they are copied (before the replay), has passed."""
+        previous step's ids, still on the device) instead of ``input_ids[i]``. The caller
+        must not rewrite the pinned inputs before ``copied``, recorded once they are copied
+        (before the replay), has passed."""
         size = next(s for s in self.sizes if s >= n)
         from vllmpy.ops import step_inputs
 
