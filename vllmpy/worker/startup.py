@@ -87,8 +87,9 @@ class StartupMixin:
     def compile_kernels(self) -> None:
         """CUDA, at the end of ``load_model``: compile the Triton kernel variants the
         start-up will launch (the profile steps, every CUDA graph) in the worker processes
-        started at its beginning, instead of one after another at their first launches. The forwards run once here
-        with those launches recorded instead of run (vllmpy.ops.precompile)."""
+        started at its beginning, instead of one after another at their first launches.
+        The forwards run once here with those launches recorded instead of run
+        (vllmpy.ops.precompile)."""
         compiler, self._compiler = self._compiler, None
         if compiler is None:
             return
