@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 from vllmpy.ops.fused import rms_norm, silu_and_mul
 from vllmpy.ops.skinny_gemm import (
+    FOLD_MAX_CHUNKS,
     MAX_ROWS,
     PLAIN,
     RMS_NORM,
@@ -82,21 +83,53 @@ def test_rms_norm_gemm_matches_reference_fp32(m: int, n: int, k: int, with_resid
         assert total is x  # no sum to make: the input is the residual
 
 
-def test_rms_norm_gemm_bf16_equals_the_unfused_kernels() -> None:
-    # the fused prologue rounds where rms_norm rounds: the same product as the two launches
-    g = torch.Generator().manual_seed(1)
-    x = torch.randn(1, 512, generator=g).to(DEVICE, torch.bfloat16)
-    res = torch.randn(1, 512, generator=g).to(DEVICE, torch.bfloat16)
-    nw = (torch.rand(512, generator=g) + 0.5).to(DEVICE, torch.bfloat16)
-    w = torch.randn(96, 512, generator=g).to(DEVICE, torch.bfloat16)
-    out, total = rms_norm_gemm(x, res, nw, 1e-6, w)
+def _bf16_norm_inputs(k: int, n: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(1, k, generator=g).to(DEVICE, torch.bfloat16)
+    res = torch.randn(1, k, generator=g).to(DEVICE, torch.bfloat16)
+    nw = (torch.rand(k, generator=g) + 0.5).to(DEVICE, torch.bfloat16)
+    w = torch.randn(n, k, generator=g).to(DEVICE, torch.bfloat16)
+    return x, res, nw, w
+
+
+def test_rms_norm_gemm_bf16_rounds_as_the_unfused_kernels_over_many_chunks() -> None:
+    # 8 chunks: the row's norm comes first and the normalized chunks round where rms_norm
+    # rounds, so the product is the two launches' up to the order of the fp32 sums
+    x, res, nw, w = _bf16_norm_inputs(512, 96, 1)
+    out = torch.empty(1, 96, dtype=torch.bfloat16, device=DEVICE)
+    total = torch.empty_like(x)
+    _launch(x, res, nw, total, w, None, out, RMS_NORM, 1e-6, 8, 64, 4, 3)
     normed, ref_total = rms_norm(x, nw, 1e-6, res)
     assert torch.equal(total, ref_total)
     ref = skinny_gemm(normed, w)
-    # equal up to the order of the fp32 sums (the row's norm is summed in another order)
     torch.testing.assert_close(out.float(), ref.float(), rtol=2**-7, atol=1e-2)
     exact = F.linear(normed.float(), w.float())
     torch.testing.assert_close(out.float(), exact, rtol=2**-7, atol=1e-2)
+
+
+@pytest.mark.parametrize("chunks", [1, 2])
+def test_rms_norm_gemm_bf16_folds_the_norm_over_few_chunks(chunks: int) -> None:
+    # At most FOLD_MAX_CHUNKS chunks: the 1 / rms scales the fp32 sums at the end, and the
+    # normalized activations are never rounded, so the result is the fp32 product of the
+    # unrounded normalization, rounded once (to nearest on the GPU; Triton's interpreter
+    # truncates, a full bfloat16 step of 2^-7).
+    assert chunks <= FOLD_MAX_CHUNKS
+    k, n = 512, 96
+    x, res, nw, w = _bf16_norm_inputs(k, n, 2 + chunks)
+    out = torch.empty(1, n, dtype=torch.bfloat16, device=DEVICE)
+    total = torch.empty_like(x)
+    _launch(x, res, nw, total, w, None, out, RMS_NORM, 1e-6, 8, k // chunks, 4,
+            1 if chunks == 1 else 3)
+    normed, ref_total = rms_norm(x, nw, 1e-6, res)
+    assert torch.equal(total, ref_total)
+    t = ref_total.float()
+    unrounded = nw.float() * t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + 1e-6)
+    exact = F.linear(unrounded, w.float())
+    terms = F.linear(unrounded.abs(), w.float().abs())  # sum of |each term|
+    assert ((out.float() - exact).abs() <= 2**-7 * exact.abs() + 1e-5 * terms).all()
+    # and on the whole it is closer to that product than the unfused launches are
+    unfused = skinny_gemm(normed, w).float()
+    assert (out.float() - exact).abs().mean() < (unfused - exact).abs().mean()
 
 
 @pytest.mark.parametrize("m,n,k", [(1, 40, 70), (4, 64, 512), (8, 9, 300)])
@@ -197,9 +230,9 @@ def test_whole_share_rows_fit_a_share_and_the_grid(n: int, k: int, sms: int) -> 
     assert rows == 1 or -(-n // (rows // 2)) > sms
 
 
-# (rows, chunk, warps, stages): a streamed launch (several chunks, pipelined) and a
-# whole-share one (one chunk past K, masked)
-LAUNCHES = {"chunked": (4, 64, 4, 3), "whole": (8, 256, 8, 1)}
+# (rows, chunk, warps, stages): a streamed launch (several chunks, pipelined), one of two
+# chunks (a norm folded into the sums) and a whole-share one (one chunk past K, masked)
+LAUNCHES = {"chunked": (4, 64, 4, 3), "two": (4, 128, 4, 3), "whole": (8, 256, 8, 1)}
 
 
 @pytest.mark.parametrize("launch", sorted(LAUNCHES))

@@ -13,13 +13,20 @@ on the activation chunk each program loads anyway; a one-row decode then takes o
 where it took two:
 
 - ``rms_norm_gemm``: ``linear(rms_norm(x + residual))``, also returning ``x + residual``
-  (the qkv and gate_up projections after their layer norms). Every program computes the
-  row's norm itself, from a row that sits in L2; program 0 stores the sum.
+  (the qkv and gate_up projections after their layer norms); program 0 stores the sum.
+  Every program needs the row's norm. A launch of many chunks computes it first, from the
+  whole row (in L2), and then rounds the normalized chunks where ``rms_norm`` rounds. A
+  launch of at most ``FOLD_MAX_CHUNKS`` chunks folds it instead: since
+  ``sum_k w[k] * nw[k] * x[k] / rms = (sum_k w[k] * nw[k] * x[k]) / rms``, it sums the
+  squares of the chunks it loads anyway and scales its fp32 sums once at the end, so
+  nothing stands between the wait for the kernel before and the first product. The
+  normalized activations are then not rounded to the model's dtype: in bfloat16 the
+  output differs from the unfused pair's by at most that rounding (2^-8 of each term).
 - ``silu_mul_gemm``: ``linear(silu(gate) * up)`` (the down projection).
 
-Both round where the unfused kernels round (``vllmpy.ops.fused``), so they give the same
-values up to the order of the fp32 sums. The PyTorch references are the layers' own
-functions followed by ``torch.nn.functional.linear``.
+Otherwise they round where the unfused kernels round (``vllmpy.ops.fused``), so they give
+the same values up to the order of the fp32 sums. The PyTorch references are the layers'
+own functions followed by ``torch.nn.functional.linear``.
 """
 
 from __future__ import annotations
@@ -44,10 +51,13 @@ PLAIN, RMS_NORM, SILU_MUL = 0, 1, 2
 
 
 @triton.jit
-def _accumulate(acc, w, offs_k, k_ok, x_ptr, res_ptr, nw_ptr, rstd, offs_m, M, K,
-                stride_xm, stride_rm, NORM: tl.constexpr, SILU: tl.constexpr,
-                HAS_RESIDUAL: tl.constexpr, BLOCK_M: tl.constexpr):
-    # acc [BLOCK_M, BLOCK_N] += (the activation chunk at offs_k, prologue applied) @ w.T
+def _accumulate(acc, ssq, w, offs_k, k_ok, x_ptr, res_ptr, nw_ptr, sum_ptr, rstd, offs_m,
+                M, K, stride_xm, stride_rm, store_sum, NORM: tl.constexpr,
+                SILU: tl.constexpr, HAS_RESIDUAL: tl.constexpr, FOLD: tl.constexpr,
+                BLOCK_M: tl.constexpr):
+    # acc [BLOCK_M, BLOCK_N] += (the activation chunk at offs_k, prologue applied) @ w.T;
+    # with FOLD the norm's weight is applied here, and the caller scales by 1 / rms at the
+    # end, from the squares summed into ssq [BLOCK_M] as the chunks pass
     dtype = x_ptr.dtype.element_ty
     if NORM:
         nw = tl.load(nw_ptr + offs_k, mask=k_ok, other=0.0).to(tl.float32)
@@ -59,8 +69,16 @@ def _accumulate(acc, w, offs_k, k_ok, x_ptr, res_ptr, nw_ptr, rstd, offs_m, M, K
             if HAS_RESIDUAL:
                 r = tl.load(res_ptr + row * stride_rm + offs_k, mask=k_ok, other=0.0)
                 x = (x.to(tl.float32) + r.to(tl.float32)).to(dtype)
-            inv = tl.sum(tl.where(offs_m == m, rstd, 0.0), axis=0)
-            x = (nw * (x.to(tl.float32) * inv).to(dtype).to(tl.float32)).to(dtype)
+                if FOLD:  # noqa: SIM102 - a compile-time branch around a run-time one
+                    if store_sum:  # program 0 stores the sum
+                        tl.store(sum_ptr + row * K + offs_k, x, mask=k_ok)
+            if FOLD:
+                xf = x.to(tl.float32)
+                ssq = tl.where(offs_m == m, ssq + tl.sum(xf * xf, axis=0), ssq)
+                x = nw * xf
+            else:
+                inv = tl.sum(tl.where(offs_m == m, rstd, 0.0), axis=0)
+                x = (nw * (x.to(tl.float32) * inv).to(dtype).to(tl.float32)).to(dtype)
         if SILU:
             # gate in the first K columns, up in the next K; silu rounded as F.silu
             up = tl.load(x_ptr + row * stride_xm + K + offs_k, mask=k_ok, other=0.0)
@@ -69,7 +87,7 @@ def _accumulate(acc, w, offs_k, k_ok, x_ptr, res_ptr, nw_ptr, rstd, offs_m, M, K
             x = (act * up.to(tl.float32)).to(dtype)
         part = tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)  # [BLOCK_N]
         acc += tl.where(offs_m[:, None] == m, part[None, :], 0.0)
-    return acc
+    return acc, ssq
 
 
 @triton.jit
@@ -78,7 +96,7 @@ def _skinny_gemm_kernel(
     stride_xm, stride_rm, stride_wn, stride_om, eps,
     NORM: tl.constexpr, SILU: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr, FOLD: tl.constexpr, PDL: tl.constexpr,
 ):
     pid = tl.program_id(0)
     dtype = x_ptr.dtype.element_ty
@@ -94,7 +112,8 @@ def _skinny_gemm_kernel(
     w = tl.load(w_rows + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
     pdl_wait(PDL)
     rstd = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    if NORM:
+    ssq = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    if NORM and not FOLD:
         # each row's 1 / rms over all K, from the whole row (BLOCK_H >= K); the names here
         # are not reused below, where the tiles have another shape
         cols = tl.arange(0, BLOCK_H)
@@ -112,14 +131,18 @@ def _skinny_gemm_kernel(
             row_inv = tl.math.rsqrt(tl.sum(whole_f * whole_f, axis=0) / K + eps)
             rstd = tl.where(offs_m == mm, row_inv, rstd)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc = _accumulate(acc, w, offs_k, k_ok, x_ptr, res_ptr, nw_ptr, rstd, offs_m, M, K,
-                      stride_xm, stride_rm, NORM, SILU, HAS_RESIDUAL, BLOCK_M)
+    acc, ssq = _accumulate(acc, ssq, w, offs_k, k_ok, x_ptr, res_ptr, nw_ptr, sum_ptr, rstd,
+                           offs_m, M, K, stride_xm, stride_rm, pid == 0, NORM, SILU,
+                           HAS_RESIDUAL, FOLD, BLOCK_M)
     for k0 in range(BLOCK_K, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_ok = offs_k < K
         w = tl.load(w_rows + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        acc = _accumulate(acc, w, offs_k, k_ok, x_ptr, res_ptr, nw_ptr, rstd, offs_m, M, K,
-                          stride_xm, stride_rm, NORM, SILU, HAS_RESIDUAL, BLOCK_M)
+        acc, ssq = _accumulate(acc, ssq, w, offs_k, k_ok, x_ptr, res_ptr, nw_ptr, sum_ptr,
+                               rstd, offs_m, M, K, stride_xm, stride_rm, pid == 0, NORM,
+                               SILU, HAS_RESIDUAL, FOLD, BLOCK_M)
+    if NORM and FOLD:
+        acc *= tl.math.rsqrt(ssq / K + eps)[:, None]
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     out = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
@@ -225,6 +248,15 @@ def whole_share_rows(n: int, k: int, num_sms: int) -> int | None:
     return rows
 
 
+# A norm launch of at most this many chunks folds the norm into its sums (module
+# docstring). Measured on the H200 (docs/BENCHMARKS.md): Qwen3-0.6B's batch-1 decode,
+# whose gate_up streams 2 chunks and whose qkv takes one, went from 1,506 to 1,528-1,531
+# tok/s (1,509-1,512 folding the one-chunk qkv alone); Qwen3-8B's, at 8 chunks, fell from
+# 236.8 to 229.1, the squares' extra reduction in every chunk costing more than the
+# prologue it saves.
+FOLD_MAX_CHUNKS = 2
+
+
 def _launch(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor | None,
             total: torch.Tensor | None, weight: torch.Tensor, bias: torch.Tensor | None,
             out: torch.Tensor, prologue: int, eps: float, block_n: int | None = None,
@@ -251,16 +283,18 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.T
         block_k = 512 if prologue == RMS_NORM else 1024
     if num_warps is None:
         num_warps = 8 if prologue == SILU_MUL else 4
+    fold = prologue == RMS_NORM and triton.cdiv(k, block_k) <= FOLD_MAX_CHUNKS
     _skinny_gemm_kernel[(triton.cdiv(n, block_n),)](
         x, residual if residual is not None else x,
         norm_weight if norm_weight is not None else weight,
         total if total is not None else out, weight, bias if bias is not None else weight,
         out, m, n, k, x.stride(0), residual.stride(0) if residual is not None else 0,
         weight.stride(0), out.stride(0), eps,
-        NORM=prologue == RMS_NORM, SILU=prologue == SILU_MUL, HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None,
+        NORM=prologue == RMS_NORM, SILU=prologue == SILU_MUL,
+        HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None,
         BLOCK_M=max(1, triton.next_power_of_2(m)), BLOCK_N=block_n, BLOCK_K=block_k,
-        BLOCK_H=triton.next_power_of_2(k) if prologue == RMS_NORM else 1,
-        num_warps=num_warps, num_stages=num_stages, **pdl_args(x.device),
+        BLOCK_H=triton.next_power_of_2(k) if prologue == RMS_NORM and not fold else 1,
+        FOLD=fold, num_warps=num_warps, num_stages=num_stages, **pdl_args(x.device),
     )
 
 
