@@ -20,8 +20,9 @@ where it took two:
   ``sum_k w[k] * nw[k] * x[k] / rms = (sum_k w[k] * nw[k] * x[k]) / rms``, it sums the
   squares of the chunks it loads anyway and scales its fp32 sums once at the end, so
   nothing stands between the wait for the kernel before and the first product. The
-  normalized activations are then not rounded to the model's dtype: in bfloat16 the
-  output differs from the unfused pair's by at most that rounding (2^-8 of each term).
+  normalized activations are then not rounded to the model's dtype (twice, as
+  ``rms_norm`` rounds them): in bfloat16 that moves each term of the sum by at most 2^-7
+  of itself, and the output is rounded once, as always.
 - ``silu_mul_gemm``: ``linear(silu(gate) * up)`` (the down projection).
 
 Otherwise they round where the unfused kernels round (``vllmpy.ops.fused``), so they give
