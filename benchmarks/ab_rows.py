@@ -1,7 +1,7 @@
 """A/B of GPU table rows under environment settings: each variant runs
 ``gpu_table.py --rows ROWS --peer ""`` in a fresh process with its variables set, twice
-when ``--repeat 2``, and a short table comes last (rows x variants: decode tok/s for P1 and P2, output
-tok/s for the others).
+when ``--repeat 2``, and a short table comes last (rows x variants: decode tok/s for P1
+and P2, output tok/s for the others).
 
     python benchmarks/ab_rows.py --out DIR --rows P2,P1 \
         --variant base: --variant whole:VT_EXP_WHOLE=32768:16:2

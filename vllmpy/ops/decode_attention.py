@@ -255,8 +255,8 @@ def supports(head_dim: int, kv_cache: torch.Tensor, dtype: torch.dtype) -> bool:
 
 def decode_attention(qkv: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
                      kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
-                     seq_lens: torch.Tensor, block_tables: torch.Tensor, *, num_heads: int, scale: float,
-                     max_seq_len: int, q_norm_weight: torch.Tensor | None = None,
+                     seq_lens: torch.Tensor, block_tables: torch.Tensor, *, num_heads: int,
+                     scale: float, max_seq_len: int, q_norm_weight: torch.Tensor | None = None,
                      k_norm_weight: torch.Tensor | None = None, eps: float = 0.0,
                      num_splits: int | None = None,
                      min_tiles_per_split: int = MIN_TILES_PER_SPLIT) -> torch.Tensor:
@@ -345,7 +345,6 @@ def decode_attention(qkv: torch.Tensor, positions: torch.Tensor, cos_sin_cache: 
             part_acc, part_ml, out, seq_lens, num_splits, num_heads,
             out.stride(0), out.stride(1), TILE=tile, MIN_TILES=min_tiles_per_split,
             SPLITS_PAD=triton.next_power_of_2(num_splits), HEAD_DIM=head_dim,
-            num_warps=MERGE_WARPS,
-            **pdl,
+            num_warps=MERGE_WARPS, **pdl,
         )
     return out
