@@ -68,14 +68,18 @@ class Engine:
         table = torch.zeros(len(rows), width, dtype=torch.int32)
         for i, (name, _) in enumerate(rows):
             table[i, :len(self.blocks[name])] = torch.tensor(self.blocks[name])
-        n = starts[-1]
         meta = AttentionMetadata(
-            num_actual_tokens=n,
+            num_actual_tokens=starts[-1],
             query_start_loc=torch.tensor(starts, dtype=torch.int32), query_start_loc_cpu=starts,
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32), seq_lens_cpu=seq_lens,
             slot_mapping=torch.tensor(slots, dtype=torch.int64), block_tables=table,
             block_size=BLOCK, max_query_len=max(new for _, new in rows),
             max_seq_len=max(seq_lens))
+        self.last = meta
+        self.run(meta, rows)
+
+    def run(self, meta: AttentionMetadata, rows) -> None:
+        n = meta.num_actual_tokens
         for layer, (fast, cache, ref_cache) in enumerate(
                 zip(self.fast, self.caches, self.ref_caches)):
             q, k, v = (torch.randn(n, h, DIM, generator=self.gen).to(self.dtype)
@@ -129,6 +133,20 @@ def test_rows_that_change_hands_are_gathered_again():
     engine.decode(["c", "a"])
     engine.decode(["c", "a"])
     assert reused_rows() == 2
+
+
+def test_a_row_that_did_not_grow_by_one_token_is_gathered_again():
+    """The same step run again (its cache changed at an old position in between): the rows
+    hold as many tokens as the step has, not one fewer, so they are read afresh."""
+    engine = Engine()
+    engine.step([("a", 6), ("b", 9)])
+    engine.decode(["a", "b"])
+    engine.decode(["a", "b"])
+    assert reused_rows() == 2
+    for cache in engine.caches + engine.ref_caches:
+        cache[:, engine.blocks["a"][0]] = 3.0  # a's first tokens, already copied
+    engine.run(engine.last, "again")
+    assert reused_rows() == 0
 
 
 def test_a_mixed_step_drops_the_copies_and_freed_blocks_are_reused_safely():
