@@ -220,18 +220,22 @@ def test_the_copies_grow_and_keep_what_they_hold(monkeypatch):
     assert reused_rows() == 3 and engine.fast[0]._mirror.kv.shape[1] == 3
 
 
-def test_no_copies_when_they_would_hold_more_tokens_than_the_cache():
-    engine = Engine(num_blocks=24)  # 96 tokens: two rows of 64 do not fit
+@pytest.mark.parametrize("cache_dtype, copies", [(torch.float32, True),
+                                                  (torch.bfloat16, False)])
+def test_no_copies_that_would_take_more_memory_than_the_cache(cache_dtype, copies):
+    """Two rows of 64 float32 tokens take 512 token-floats; a cache of 192 tokens holds
+    768 of them in float32, 384 in bfloat16."""
+    engine = Engine(num_blocks=48, cache_dtype=cache_dtype)
     engine.step([("a", 40), ("b", 30)])
     for _ in range(3):
         engine.decode(["a", "b"])
-        assert engine.fast[0]._mirror is None
+        assert (engine.fast[0]._mirror is not None) == copies
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fp8_and_bfloat16_caches_read_their_new_tokens_as_the_gather_does(dtype):
     cache_dtype = FP8_KV_DTYPE if dtype == torch.float32 else torch.bfloat16
-    engine = Engine(dtype=dtype, cache_dtype=cache_dtype, scales=(0.02, 0.5))
+    engine = Engine(num_blocks=192, dtype=dtype, cache_dtype=cache_dtype, scales=(0.02, 0.5))
     engine.step([("a", 7), ("b", 2)])
     for _ in range(2 * BLOCK):
         engine.decode(["a", "b"])

@@ -60,14 +60,14 @@ def test_greedy_tokens_with_the_copies_equal_those_of_a_gather_every_step(llm, m
     assert any(0 < len(p.fresh) < len(p.lens) for p in plans)
 
 
-def test_the_copies_never_hold_more_than_the_cache(llm, monkeypatch):
+def test_the_copies_never_take_more_memory_than_the_cache(llm, monkeypatch):
     monkeypatch.setattr(cpu_backend, "MIRROR_MIN_KV_ELEMENTS", 0)
     run(llm)
-    cache_tokens = 160 * 8
+    cache_bytes = 2 * 160 * 8 * 2 * 16 * 4  # keys and values, float32, per layer
     model = llm.engine.engine_core.model_runner.model
     mirrors = [m.backend._mirror for m in model.modules()
                if isinstance(getattr(m, "backend", None), cpu_backend.CpuAttentionBackend)]
     assert mirrors and all(m is not None for m in mirrors)
     for mirror in mirrors:
-        _, rows, _, capacity, _ = mirror.kv.shape
-        assert rows * capacity <= cache_tokens and mirror.kv.dtype == torch.float32
+        assert mirror.kv.dtype == torch.float32
+        assert mirror.kv.numel() * 4 <= cache_bytes

@@ -17,8 +17,8 @@ to rounding) and spends fewer, cheaper ops on each step:
   float32 copies of its requests' keys and values for the next step (``_DecodeMirror``,
   one per layer): a request that goes on decoding in the same row adds only its new
   token, and the matrix products read the copies in place, where the gather above would
-  copy and convert every cached token again. Any other step drops the copies. They hold
-  at most as many tokens as the paged cache; past that the step gathers. Measured on a
+  copy and convert every cached token again. Any other step drops the copies. They take
+  at most as much memory as the paged cache itself; past that the step gathers. Measured on a
   shared 2-core x86 CPU, 16 requests of SmolLM2-135M decoding 32 to 160 tokens: even with
   the gather when the machine's memory is quiet, 276-316 against 231-244 tok/s when it
   is busy (the gather's copies then take three times as long). A batch-1 step keeps
@@ -33,6 +33,7 @@ to rounding) and spends fewer, cheaper ops on each step:
 from __future__ import annotations
 
 import itertools
+import math
 import weakref
 
 import torch
@@ -226,16 +227,16 @@ class _DecodeMirror:
     def sized_for(cls, kv_cache: torch.Tensor, meta: AttentionMetadata,
                   old: _DecodeMirror | None) -> _DecodeMirror | None:
         """Copies with room for this step's requests, keeping what ``old`` holds; None
-        when they would hold more tokens than the paged cache."""
+        when they would take more memory than the paged cache itself."""
         rows, longest = meta.num_reqs, max(meta.seq_lens_cpu)
         capacity = -(-longest // MIRROR_STEP) * MIRROR_STEP
         if old is not None and old.cache_ptr == kv_cache.data_ptr():
             rows, capacity = max(rows, old.kv.shape[1]), max(capacity, old.kv.shape[3])
         else:
             old = None
-        if rows * capacity > kv_cache.shape[1] * kv_cache.shape[2]:
-            return None
         shape = (2, rows, kv_cache.shape[3], capacity, kv_cache.shape[4])
+        if math.prod(shape) * 4 > kv_cache.numel() * kv_cache.element_size():
+            return None
         mirror = cls(torch.zeros(shape, device=kv_cache.device), kv_cache.data_ptr())
         if old is not None and old.serial:
             _, held_rows, _, held, _ = old.kv.shape
