@@ -153,7 +153,7 @@ class CpuAttentionBackend(AttentionBackend):
         """baddbmm's (input, beta) for one-token queries of requests ``lens`` long: -inf
         past each request's length, or an ignored input when all have the same length."""
         if min(lens) < max(lens):
-            return _length_bias(lens, self.num_kv_heads, device), 1.0
+            return _past_end_bias(lens, self.num_kv_heads, device), 1.0
         no_bias = self._no_bias.get(device)
         if no_bias is None:
             no_bias = self._no_bias[device] = torch.zeros(1, 1, 1, device=device)
@@ -332,7 +332,7 @@ class _DecodePlan:
         return self._bias[key]
 
 
-def _length_bias(lens: list[int], kv_heads: int, device: torch.device) -> torch.Tensor:
+def _past_end_bias(lens: list[int], kv_heads: int, device: torch.device) -> torch.Tensor:
     """[R * kv_heads, 1, max(lens)]: 0 within each request's length, -inf past it."""
     r, seq_len = len(lens), max(lens)
     past_end = torch.arange(seq_len, device=device) >= torch.tensor(lens, device=device)[:, None]
