@@ -18,11 +18,11 @@ to rounding) and spends fewer, cheaper ops on each step:
   one per layer): a request that goes on decoding in the same row adds only its new
   token, and the matrix products read the copies in place, where the gather above would
   copy and convert every cached token again. Any other step drops the copies. They take
-  at most as much memory as the paged cache itself; past that the step gathers. Measured on a
-  shared 2-core x86 CPU, 16 requests of SmolLM2-135M decoding 32 to 160 tokens: even with
-  the gather when the machine's memory is quiet, 276-316 against 231-244 tok/s when it
-  is busy (the gather's copies then take three times as long). A batch-1 step keeps
-  gathering: there the copies' bookkeeping costs more than the gather;
+  at most as much memory as the paged cache itself; past that the step gathers.
+  Measured on a shared 2-core x86 CPU, 16 requests of SmolLM2-135M decoding 32 to 160
+  tokens: even with the gather when the machine's memory is quiet, 276-316 against
+  231-244 tok/s when it is busy (the gather's copies then take three times as long). A
+  batch-1 step keeps gathering: there the copies' bookkeeping costs more than the gather;
 - a decode step that reads at most ``SERIAL_KV_ELEMENTS`` cached values runs on one
   thread: at that size, handing half of each copy to a second thread (which has to wake
   up and pull the data into its own cache) costs more than it saves. Measured on a 2-core
