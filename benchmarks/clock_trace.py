@@ -127,8 +127,7 @@ def main() -> int:
                 print(f"{i:>5}-{j:<5} {line['ms_per_step']:>8.3f}  (no samples)")
     sampler.stop()
     with open(os.path.join(args.out, "clock_trace.json"), "w") as f:
-        json.dump({"report": report,
-                   "samples": [(t, v) for t, v in sampler.samples]}, f)
+        json.dump({"report": report, "samples": sampler.samples}, f)
     return 0
 
 

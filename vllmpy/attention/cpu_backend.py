@@ -262,10 +262,7 @@ class _DecodeMirror:
             kv[:, plan.fresh_index, :, :plan.fresh_longest] = pages.to(kv.dtype)
         if len(plan.fresh) < rows:  # the new token of every row (the fresh ones get it twice)
             flat = kv_cache.view(2, -1, kvh, dim)
-            new = flat.index_select(1, plan.slots)  # [2, R, kv_heads, dim]
-            if kv_cache.dtype == FP8_KV_DTYPE:  # as _pages reads them
-                new = torch.stack([dequantize_kv(new[0], dtype, scales[0]),
-                                   dequantize_kv(new[1], dtype, scales[1])])
+            new = _dequantized(flat.index_select(1, plan.slots), dtype, scales)  # as _pages
             kv.view(2, -1, dim).index_copy_(1, plan.positions(kvh, capacity),
                                             new.view(2, rows * kvh, dim).to(kv.dtype))
         self.serial, self.lens, self.table = plan.serial, plan.lens, plan.table
@@ -350,11 +347,17 @@ def _pages(kv_cache: torch.Tensor, table: torch.Tensor, seq_len: int, dtype: tor
     rows, kv_heads, head_dim = table.shape[0], kv_cache.shape[3], kv_cache.shape[4]
     pages = kv_cache.index_select(1, table.reshape(-1))  # [2, R * blocks, block, kvh, dim]
     pages = pages.view(2, rows, -1, kv_heads, head_dim).transpose(2, 3)[:, :, :, :seq_len]
-    if kv_cache.dtype == FP8_KV_DTYPE:
-        k_scale, v_scale = scales
-        pages = torch.stack([dequantize_kv(pages[0], dtype, k_scale),
-                             dequantize_kv(pages[1], dtype, v_scale)])
-    return pages
+    return _dequantized(pages, dtype, scales)
+
+
+def _dequantized(pair: torch.Tensor, dtype: torch.dtype,
+                 scales: tuple[float, float]) -> torch.Tensor:
+    """Keys and values stacked [2, ...] from the cache: fp8 ones dequantized to ``dtype``
+    with their scales, others as they are."""
+    if pair.dtype != FP8_KV_DTYPE:
+        return pair
+    return torch.stack([dequantize_kv(pair[0], dtype, scales[0]),
+                        dequantize_kv(pair[1], dtype, scales[1])])
 
 
 def _gather(kv_cache: torch.Tensor, table: torch.Tensor, seq_len: int, dtype: torch.dtype,
