@@ -8,6 +8,8 @@ from a CUDA graph.
                                                       # the fused kernel
     python benchmarks/skinny_gemm_sweep.py --fused --every   # each step under each of
                                                       # EVERY_CONFIGS
+    python benchmarks/skinny_gemm_sweep.py --hot 8b   # each one-row step, weights cold
+                                                      # and hot in L2, beside cuBLAS
 """
 
 from __future__ import annotations
@@ -152,13 +154,50 @@ def fused(every: bool = False) -> None:
     print(f"read rate of a 2 GiB sum: {big.numel() * 2 / t / 1e3:.0f} GB/s")
 
 
+def hot_cold(model: str) -> None:
+    """One row: each decoder step of ``model`` under its default launch with its weight
+    cold in L2 (each call reads another copy) and hot (every call reads one copy), beside
+    cuBLAS cold. A step whose weight fits in L2 and whose launch runs no faster hot is
+    bound by its own latency rather than by HBM."""
+    dev, bf16 = torch.device("cuda"), torch.bfloat16
+    steps = {"qkv": RMS_NORM, "o": PLAIN, "gate_up": RMS_NORM, "down": SILU_MUL}
+    print(f"{'step':16} {'MB':>6} {'roof_us':>7} {'cold':>7} {'hot':>7} {'cublas cold':>11}",
+          flush=True)
+    for name, prologue in steps.items():
+        n, k = SHAPES[f"{model} {name}"]
+        copies = max(1, L2_CLEAR_BYTES // (n * k * 2))
+        ws = [torch.randn(n, k, device=dev, dtype=bf16) for _ in range(copies)]
+        turn = iter(range(1 << 30))
+        x = torch.randn(1, 2 * k if prologue == SILU_MUL else k, device=dev, dtype=bf16)
+        plain_x = torch.randn(1, k, device=dev, dtype=bf16)
+        res = torch.randn(1, k, device=dev, dtype=bf16) if prologue == RMS_NORM else None
+        nw = torch.rand(k, device=dev, dtype=bf16) + 0.5 if prologue == RMS_NORM else None
+        total = torch.empty(1, k, device=dev, dtype=bf16) if prologue == RMS_NORM else None
+        out = torch.empty(1, n, device=dev, dtype=bf16)
+
+        def once(w, x=x, res=res, nw=nw, total=total, out=out, prologue=prologue):
+            _launch(x, res, nw, total, w, None, out, prologue, 1e-6)
+        cold = gpu_us(lambda ws=ws, turn=turn, once=once: once(ws[next(turn) % len(ws)]))
+        hot = gpu_us(lambda ws=ws, once=once: once(ws[0]))
+        cublas = gpu_us(lambda ws=ws, turn=turn, x=plain_x: torch.nn.functional.linear(
+            x, ws[next(turn) % len(ws)]))
+        print(f"{model + ' ' + name:16} {n * k * 2 / 1e6:6.1f} "
+              f"{n * k * 2 / COPY_RATE * 1e6:7.2f} {cold:7.2f} {hot:7.2f} {cublas:11.2f}",
+              flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--fused", action="store_true",
                     help="time the one-row fused steps instead of the launch sweep")
     ap.add_argument("--every", action="store_true",
                     help="with --fused: every configuration of EVERY_CONFIGS on every step")
+    ap.add_argument("--hot", metavar="MODEL", choices=("0.6b", "8b"),
+                    help="MODEL's one-row steps with their weights cold and hot in L2")
     args = ap.parse_args()
+    if args.hot:
+        hot_cold(args.hot)
+        return
     if args.every:
         print("configs (rows, chunk, warps, stages):", EVERY_CONFIGS)
     fused(args.every) if args.fused else sweep()
