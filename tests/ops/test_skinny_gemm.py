@@ -8,8 +8,10 @@ import torch
 import torch.nn.functional as F
 
 from vllmpy.ops.fused import rms_norm, silu_and_mul
+from vllmpy.ops.paged_attention import num_multiprocessors
 from vllmpy.ops.skinny_gemm import (
     FOLD_MAX_CHUNKS,
+    FOLD_MAX_PROGRAMS_PER_SM,
     MAX_ROWS,
     PLAIN,
     RMS_NORM,
@@ -17,6 +19,7 @@ from vllmpy.ops.skinny_gemm import (
     WHOLE_SHARE_ELEMS,
     WHOLE_SHARE_WAVES,
     _launch,
+    folds_norm,
     rms_norm_gemm,
     rms_norm_gemm_ref,
     silu_mul_gemm,
@@ -93,10 +96,13 @@ def _bf16_norm_inputs(k: int, n: int, seed: int):
 
 
 def test_rms_norm_gemm_bf16_rounds_as_the_unfused_kernels_over_many_chunks() -> None:
-    # 8 chunks: the row's norm comes first and the normalized chunks round where rms_norm
-    # rounds, so the product is the two launches' up to the order of the fp32 sums
-    x, res, nw, w = _bf16_norm_inputs(512, 96, 1)
-    out = torch.empty(1, 96, dtype=torch.bfloat16, device=DEVICE)
+    # 8 chunks and a grid of more than one wave (64 programs): the row's norm comes first
+    # and the normalized chunks round where rms_norm rounds, so the product is the two
+    # launches' up to the order of the fp32 sums
+    n = 512
+    assert not folds_norm(1, n, 512, 8, 64, num_multiprocessors(torch.device(DEVICE)))
+    x, res, nw, w = _bf16_norm_inputs(512, n, 1)
+    out = torch.empty(1, n, dtype=torch.bfloat16, device=DEVICE)
     total = torch.empty_like(x)
     _launch(x, res, nw, total, w, None, out, RMS_NORM, 1e-6, 8, 64, 4, 3)
     normed, ref_total = rms_norm(x, nw, 1e-6, res)
@@ -107,14 +113,18 @@ def test_rms_norm_gemm_bf16_rounds_as_the_unfused_kernels_over_many_chunks() -> 
     torch.testing.assert_close(out.float(), exact, rtol=2**-7, atol=1e-2)
 
 
-@pytest.mark.parametrize("chunks", [1, 2])
-def test_rms_norm_gemm_bf16_folds_the_norm_over_few_chunks(chunks: int) -> None:
-    # At most FOLD_MAX_CHUNKS chunks: the 1 / rms scales the fp32 sums at the end, and the
-    # normalized activations are never rounded, so the result is the fp32 product of the
-    # unrounded normalization, rounded once (to nearest on the GPU; Triton's interpreter
-    # truncates, a full bfloat16 step of 2^-7).
-    assert chunks <= FOLD_MAX_CHUNKS
+@pytest.mark.parametrize("chunks", [1, 2, 8])
+def test_rms_norm_gemm_bf16_folds_the_norm_over_few_chunks_or_one_wave(chunks: int) -> None:
+    # At most FOLD_MAX_CHUNKS chunks, or one row over a grid that runs at once (12
+    # programs): the 1 / rms scales the fp32 sums at the end, and the normalized
+    # activations are never rounded, so the result is the fp32 product of the unrounded
+    # normalization, rounded once (to nearest on the GPU; Triton's interpreter truncates,
+    # a full bfloat16 step of 2^-7).
     k, n = 512, 96
+    sms = num_multiprocessors(torch.device(DEVICE))
+    if chunks > FOLD_MAX_CHUNKS:  # it folds for its grid, which runs at once
+        assert n // 8 <= FOLD_MAX_PROGRAMS_PER_SM * sms
+    assert folds_norm(1, n, k, 8, k // chunks, sms)
     x, res, nw, w = _bf16_norm_inputs(k, n, 2 + chunks)
     out = torch.empty(1, n, dtype=torch.bfloat16, device=DEVICE)
     total = torch.empty_like(x)
@@ -260,3 +270,12 @@ def test_both_launch_kinds_match_the_reference(launch: str, prologue: int) -> No
         _launch(x, None, None, None, w, b, out, prologue, 0.0, *LAUNCHES[launch])
         ref = F.linear(x, w, b)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-4)
+
+
+def test_folds_norm_for_the_benchmark_models() -> None:
+    # H200: 132 multiprocessors; the launches' default tiles (8 rows, 512-wide chunks)
+    assert folds_norm(1, 6144, 1024, 8, 1024, 132)  # Qwen3-0.6B qkv: one chunk
+    assert folds_norm(1, 6144, 1024, 8, 512, 132)  # Qwen3-0.6B gate_up: two chunks
+    assert folds_norm(1, 6144, 4096, 8, 512, 132)  # Qwen3-8B qkv: 768 programs, one wave
+    assert not folds_norm(1, 24576, 4096, 8, 512, 132)  # Qwen3-8B gate_up: 3,072 programs
+    assert not folds_norm(2, 6144, 4096, 8, 512, 132)  # more rows: the prologue
