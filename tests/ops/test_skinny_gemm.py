@@ -96,10 +96,10 @@ def _bf16_norm_inputs(k: int, n: int, seed: int):
 
 
 def test_rms_norm_gemm_bf16_rounds_as_the_unfused_kernels_over_many_chunks() -> None:
-    # 8 chunks and a grid of more than one wave (64 programs): the row's norm comes first
-    # and the normalized chunks round where rms_norm rounds, so the product is the two
-    # launches' up to the order of the fp32 sums
-    n = 512
+    # 8 chunks and a grid of more than one wave: the row's norm comes first and the
+    # normalized chunks round where rms_norm rounds, so the product is the two launches'
+    # up to the order of the fp32 sums
+    n = 8 * (FOLD_MAX_PROGRAMS_PER_SM * num_multiprocessors(torch.device(DEVICE)) + 1)
     assert not folds_norm(1, n, 512, 8, 64, num_multiprocessors(torch.device(DEVICE)))
     x, res, nw, w = _bf16_norm_inputs(512, n, 1)
     out = torch.empty(1, n, dtype=torch.bfloat16, device=DEVICE)
