@@ -325,7 +325,8 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.T
         HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None,
         BLOCK_M=max(1, triton.next_power_of_2(m)), BLOCK_N=block_n, BLOCK_K=block_k,
         BLOCK_H=triton.next_power_of_2(k) if prologue == RMS_NORM and not fold else 1,
-        FOLD=fold, SQ_VEC=fold and m == 1, num_warps=num_warps, num_stages=num_stages, **pdl_args(x.device),
+        FOLD=fold, SQ_VEC=fold and m == 1, num_warps=num_warps, num_stages=num_stages,
+        **pdl_args(x.device),
     )
 
 
