@@ -296,8 +296,9 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.T
     n, k = weight.shape
     if m == 0 or n == 0:
         return
+    num_sms = num_multiprocessors(x.device)
     if block_n is None:
-        rows = whole_share_rows(n, k, num_multiprocessors(x.device))
+        rows = whole_share_rows(n, k, num_sms)
         if rows is not None:  # a small matrix: one tile per program, loaded up front
             block_n, block_k = rows, triton.next_power_of_2(k)
             num_warps, num_stages = WHOLE_SHARE_WARPS, 1
@@ -313,8 +314,7 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.T
         block_k = 512 if prologue == RMS_NORM else 1024
     if num_warps is None:
         num_warps = 8 if prologue == SILU_MUL else 4
-    fold = prologue == RMS_NORM and folds_norm(m, n, k, block_n, block_k,
-                                               num_multiprocessors(x.device))
+    fold = prologue == RMS_NORM and folds_norm(m, n, k, block_n, block_k, num_sms)
     _skinny_gemm_kernel[(triton.cdiv(n, block_n),)](
         x, residual if residual is not None else x,
         norm_weight if norm_weight is not None else weight,
