@@ -20,6 +20,7 @@ from vllmpy.ops.skinny_gemm import (
     WHOLE_SHARE_WAVES,
     _launch,
     folds_norm,
+    norm_launch,
     rms_norm_gemm,
     rms_norm_gemm_ref,
     silu_mul_gemm,
@@ -247,9 +248,10 @@ LAUNCHES = {"chunked": (4, 64, 4, 3), "two": (4, 128, 4, 3), "whole": (8, 256, 8
 
 @pytest.mark.parametrize("launch", sorted(LAUNCHES))
 @pytest.mark.parametrize("prologue", [PLAIN, RMS_NORM, SILU_MUL])
-def test_both_launch_kinds_match_the_reference(launch: str, prologue: int) -> None:
-    m, n, k = 2, 21, 200  # K not a multiple of the chunk: the last chunk is masked
-    g = torch.Generator().manual_seed(prologue * 10 + len(launch))
+@pytest.mark.parametrize("m", [1, 2])  # one row of several chunks keeps per-thread sums
+def test_both_launch_kinds_match_the_reference(launch: str, prologue: int, m: int) -> None:
+    n, k = 21, 200  # K not a multiple of the chunk: the last chunk is masked
+    g = torch.Generator().manual_seed(prologue * 10 + len(launch) + 100 * m)
     w = torch.randn(n, k, generator=g).to(DEVICE)
     b = torch.randn(n, generator=g).to(DEVICE)
     out = torch.empty(m, n, device=DEVICE)
@@ -270,6 +272,19 @@ def test_both_launch_kinds_match_the_reference(launch: str, prologue: int) -> No
         _launch(x, None, None, None, w, b, out, prologue, 0.0, *LAUNCHES[launch])
         ref = F.linear(x, w, b)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-4)
+
+
+def test_norm_launch_for_the_benchmark_models() -> None:
+    # H200 (132 multiprocessors), one row: Qwen3-8B's qkv runs in one wave of 1024-wide
+    # chunks and folds its norm; its gate_up streams 2048-wide chunks, two of them, and
+    # folds too; Qwen3-0.6B's gate_up and every launch of more rows keep 512-wide chunks
+    assert norm_launch(1, 6144, 4096, 132) == (8, 1024, 4)
+    assert folds_norm(1, 6144, 4096, 8, 1024, 132)
+    assert norm_launch(1, 24576, 4096, 132) == (8, 2048, 8)
+    assert folds_norm(1, 24576, 4096, 8, 2048, 132)
+    assert norm_launch(1, 6144, 1024, 132) == (8, 512, 4)
+    assert norm_launch(2, 6144, 4096, 132) == (8, 512, 4)
+    assert norm_launch(1, 24576, 4096 - 1, 132) == (8, 512, 4)
 
 
 def test_folds_norm_for_the_benchmark_models() -> None:

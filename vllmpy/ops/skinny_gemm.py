@@ -56,8 +56,12 @@ PLAIN, RMS_NORM, SILU_MUL = 0, 1, 2
 def _accumulate(acc, ssq, w, offs_k, k_ok, x_ptr, res_ptr, nw_ptr, sum_ptr, rstd, offs_m,
                 M, K, stride_xm, stride_rm, store_sum, NORM: tl.constexpr,
                 SILU: tl.constexpr, HAS_RESIDUAL: tl.constexpr, FOLD: tl.constexpr,
-                BLOCK_M: tl.constexpr, SQ_VEC: tl.constexpr):
-    # acc [BLOCK_M, BLOCK_N] += (the activation chunk at offs_k, prologue applied) @ w.T;
+                BLOCK_M: tl.constexpr, SQ_VEC: tl.constexpr, ROW_VEC: tl.constexpr,
+                ROW_GROUP: tl.constexpr):
+    # acc [BLOCK_M, BLOCK_N] += (the activation chunk at offs_k, prologue applied) @ w.T,
+    # or with ROW_VEC (one row) acc [BLOCK_N, BLOCK_K // ROW_GROUP] += the products summed
+    # over groups of ROW_GROUP neighbouring columns, which one thread holds: no chunk sums
+    # across the program's threads, the caller reduces acc once at the end;
     # with FOLD the norm's weight is applied here, and the caller scales by 1 / rms at the
     # end, from the squares summed into ssq as the chunks pass: [BLOCK_M] sums, or with
     # SQ_VEC (one row) a [BLOCK_K] vector of per-position sums, so that a chunk adds its
@@ -92,8 +96,13 @@ def _accumulate(acc, ssq, w, offs_k, k_ok, x_ptr, res_ptr, nw_ptr, sum_ptr, rstd
             g = x.to(tl.float32)
             act = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
             x = (act * up.to(tl.float32)).to(dtype)
-        part = tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)  # [BLOCK_N]
-        acc += tl.where(offs_m[:, None] == m, part[None, :], 0.0)
+        if ROW_VEC:  # one row: each thread adds its products into its own sums
+            prod = w.to(tl.float32) * x.to(tl.float32)[None, :]
+            acc += tl.sum(tl.reshape(prod, [w.shape[0], w.shape[1] // ROW_GROUP, ROW_GROUP]),
+                          axis=2)
+        else:
+            part = tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)  # [BLOCK_N]
+            acc += tl.where(offs_m[:, None] == m, part[None, :], 0.0)
     return acc, ssq
 
 
@@ -104,7 +113,7 @@ def _skinny_gemm_kernel(
     NORM: tl.constexpr, SILU: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr, FOLD: tl.constexpr, SQ_VEC: tl.constexpr,
-    PDL: tl.constexpr,
+    ROW_VEC: tl.constexpr, ROW_GROUP: tl.constexpr, PDL: tl.constexpr,
 ):
     pid = tl.program_id(0)
     dtype = x_ptr.dtype.element_ty
@@ -141,17 +150,24 @@ def _skinny_gemm_kernel(
             whole_f = whole.to(tl.float32)
             row_inv = tl.math.rsqrt(tl.sum(whole_f * whole_f, axis=0) / K + eps)
             rstd = tl.where(offs_m == mm, row_inv, rstd)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if ROW_VEC:
+        acc = tl.zeros((BLOCK_N, BLOCK_K // ROW_GROUP), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc, ssq = _accumulate(acc, ssq, w, offs_k, k_ok, x_ptr, res_ptr, nw_ptr, sum_ptr, rstd,
                            offs_m, M, K, stride_xm, stride_rm, pid == 0, NORM, SILU,
-                           HAS_RESIDUAL, FOLD, BLOCK_M, SQ_VEC)
+                           HAS_RESIDUAL, FOLD, BLOCK_M, SQ_VEC, ROW_VEC,
+                           ROW_GROUP)
     for k0 in range(BLOCK_K, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_ok = offs_k < K
         w = tl.load(w_rows + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
         acc, ssq = _accumulate(acc, ssq, w, offs_k, k_ok, x_ptr, res_ptr, nw_ptr, sum_ptr,
                                rstd, offs_m, M, K, stride_xm, stride_rm, pid == 0, NORM,
-                               SILU, HAS_RESIDUAL, FOLD, BLOCK_M, SQ_VEC)
+                               SILU, HAS_RESIDUAL, FOLD, BLOCK_M, SQ_VEC, ROW_VEC,
+                               ROW_GROUP)
+    if ROW_VEC:
+        acc = tl.sum(acc, axis=1)[None, :]
     if NORM and FOLD:
         if SQ_VEC:
             acc *= tl.math.rsqrt(tl.sum(ssq, axis=0) / K + eps)
@@ -287,6 +303,33 @@ def folds_norm(m: int, n: int, k: int, block_n: int, block_k: int, num_sms: int)
     return m == 1 and triton.cdiv(n, block_n) <= FOLD_MAX_PROGRAMS_PER_SM * num_sms
 
 
+# A one-row launch of more than one chunk keeps each thread's products in its own fp32
+# sums, ROW_GROUP neighbouring columns added first, and reduces them across the program
+# once, at the end, where a launch of more rows sums every chunk across the program's
+# threads. Its chunk loop then holds no shuffles and no barrier of its own. Measured on
+# the H200 (docs/BENCHMARKS.md), Qwen3-8B's batch-1 decode went from 247.7 to 252.8 tok/s
+# with the o and down projections taking it; the norm launches gained nothing at their
+# 512-wide chunks, and with them the wider chunks of ``norm_launch`` pay.
+ROW_GROUP = 8
+# A one-row norm launch whose K is at least NORM_WIDE_K streams wider chunks: a grid that
+# runs in one wave (Qwen3-8B's qkv projection: 768 programs) 1024-wide chunks on 4 warps,
+# a larger one (its gate_up: 3,072 programs) 2048-wide chunks on 8 warps, which fold the
+# norm at K = 4,096 (2 chunks). Measured on the H200 (docs/BENCHMARKS.md), with the
+# per-thread sums above: Qwen3-8B's batch-1 decode from 243.1 to 254.4 tok/s on a machine
+# where 512-wide chunks gave 243.
+NORM_WIDE_K = 4096
+
+
+def norm_launch(m: int, n: int, k: int, num_sms: int) -> tuple[int, int, int]:
+    """(rows a program, chunk width, warps) of a streamed norm launch of m rows over an
+    [n, k] weight on ``num_sms`` multiprocessors."""
+    if m == 1 and k >= NORM_WIDE_K:
+        if triton.cdiv(n, 8) <= FOLD_MAX_PROGRAMS_PER_SM * num_sms:
+            return 8, 1024, 4
+        return 8, 2048, 8
+    return 8, 512, 4
+
+
 def _launch(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor | None,
             total: torch.Tensor | None, weight: torch.Tensor, bias: torch.Tensor | None,
             out: torch.Tensor, prologue: int, eps: float, block_n: int | None = None,
@@ -304,17 +347,21 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.T
             num_warps, num_stages = WHOLE_SHARE_WARPS, 1
     # Otherwise the launches are the best of benchmarks/skinny_gemm_sweep.py
     # --fused (one row, weights cold in L2) on an H200: 8 weight rows in 512-wide chunks on
-    # 4 warps for the norm prologue (the qkv and gate_up projections); the down projections
-    # (SiLU prologue, long K) in 1024-wide chunks on 8 warps (25.3 against 29.9 us for
-    # Qwen3-8B's); a plain GEMM (o_proj) on 2 rows per program in 1024-wide chunks, which
-    # puts 4x the programs in flight (9.2 against 11.4 us for Qwen3-8B's).
+    # 4 warps for the norm prologue (the qkv and gate_up projections; a long one-row norm
+    # launch as ``norm_launch`` says); the down projections (SiLU prologue, long K) in
+    # 1024-wide chunks on 8 warps (25.3 against 29.9 us for Qwen3-8B's); a plain GEMM
+    # (o_proj) on 2 rows per program in 1024-wide chunks, which puts 4x the programs in
+    # flight (9.2 against 11.4 us for Qwen3-8B's).
+    if block_n is None and prologue == RMS_NORM:
+        block_n, block_k, num_warps = norm_launch(m, n, k, num_sms)
     if block_n is None:
         block_n = 2 if prologue == PLAIN else 8
     if block_k is None:
-        block_k = 512 if prologue == RMS_NORM else 1024
+        block_k = 1024
     if num_warps is None:
         num_warps = 8 if prologue == SILU_MUL else 4
     fold = prologue == RMS_NORM and folds_norm(m, n, k, block_n, block_k, num_sms)
+    row_vec = m == 1 and block_k >= ROW_GROUP and triton.cdiv(k, block_k) > 1
     _skinny_gemm_kernel[(triton.cdiv(n, block_n),)](
         x, residual if residual is not None else x,
         norm_weight if norm_weight is not None else weight,
@@ -325,8 +372,8 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.T
         HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None,
         BLOCK_M=max(1, triton.next_power_of_2(m)), BLOCK_N=block_n, BLOCK_K=block_k,
         BLOCK_H=triton.next_power_of_2(k) if prologue == RMS_NORM and not fold else 1,
-        FOLD=fold, SQ_VEC=fold and m == 1, num_warps=num_warps, num_stages=num_stages,
-        **pdl_args(x.device),
+        FOLD=fold, SQ_VEC=fold and m == 1, ROW_VEC=row_vec, ROW_GROUP=ROW_GROUP,
+        num_warps=num_warps, num_stages=num_stages, **pdl_args(x.device),
     )
 
 
