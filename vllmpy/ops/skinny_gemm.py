@@ -318,6 +318,9 @@ ROW_GROUP = 8
 # per-thread sums above: Qwen3-8B's batch-1 decode from 243.1 to 254.4 tok/s on a machine
 # where 512-wide chunks gave 243.
 NORM_WIDE_K = 4096
+# A one-row SiLU launch (a down projection) streams 2048-wide chunks: Qwen3-8B's batch-1
+# decode went from 257.2-257.3 to 259.0 tok/s on the H200 (docs/BENCHMARKS.md).
+SILU_ONE_ROW_K = 2048
 
 
 def norm_launch(m: int, n: int, k: int, num_sms: int) -> tuple[int, int, int]:
@@ -349,7 +352,8 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.T
     # --fused (one row, weights cold in L2) on an H200: 8 weight rows in 512-wide chunks on
     # 4 warps for the norm prologue (the qkv and gate_up projections; a long one-row norm
     # launch as ``norm_launch`` says); the down projections (SiLU prologue, long K) in
-    # 1024-wide chunks on 8 warps (25.3 against 29.9 us for Qwen3-8B's); a plain GEMM
+    # 1024-wide chunks on 8 warps (25.3 against 29.9 us for Qwen3-8B's; one row takes
+    # SILU_ONE_ROW_K); a plain GEMM
     # (o_proj) on 2 rows per program in 1024-wide chunks, which puts 4x the programs in
     # flight (9.2 against 11.4 us for Qwen3-8B's).
     if block_n is None and prologue == RMS_NORM:
@@ -357,7 +361,7 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.T
     if block_n is None:
         block_n = 2 if prologue == PLAIN else 8
     if block_k is None:
-        block_k = 1024
+        block_k = SILU_ONE_ROW_K if prologue == SILU_MUL and m == 1 else 1024
     if num_warps is None:
         num_warps = 8 if prologue == SILU_MUL else 4
     fold = prologue == RMS_NORM and folds_norm(m, n, k, block_n, block_k, num_sms)
