@@ -306,17 +306,17 @@ def folds_norm(m: int, n: int, k: int, block_n: int, block_k: int, num_sms: int)
 # A one-row launch of more than one chunk keeps each thread's products in its own fp32
 # sums, ROW_GROUP neighbouring columns added first, and reduces them across the program
 # once, at the end, where a launch of more rows sums every chunk across the program's
-# threads. Its chunk loop then holds no shuffles and no barrier of its own. Measured on
-# the H200 (docs/BENCHMARKS.md), Qwen3-8B's batch-1 decode went from 247.7 to 252.8 tok/s
-# with the o and down projections taking it; the norm launches gained nothing at their
-# 512-wide chunks, and with them the wider chunks of ``norm_launch`` pay.
+# threads. Its chunk loop then holds no shuffle, and no barrier but the activation's.
+# Measured on the H200 (docs/BENCHMARKS.md), Qwen3-8B's batch-1 decode went from 247.7 to
+# 252.8 tok/s with the o and down projections taking it; the norm launches gained nothing
+# at their 512-wide chunks, and with them the wider chunks of ``norm_launch`` pay.
 ROW_GROUP = 8
 # A one-row norm launch whose K is at least NORM_WIDE_K streams wider chunks: a grid that
 # runs in one wave (Qwen3-8B's qkv projection: 768 programs) 1024-wide chunks on 4 warps,
 # a larger one (its gate_up: 3,072 programs) 2048-wide chunks on 8 warps, which fold the
 # norm at K = 4,096 (2 chunks). Measured on the H200 (docs/BENCHMARKS.md), with the
-# per-thread sums above: Qwen3-8B's batch-1 decode from 243.1 to 254.4 tok/s on a machine
-# where 512-wide chunks gave 243.
+# per-thread sums above: Qwen3-8B's batch-1 decode went from 242.5-243.7 to 254.4 tok/s
+# on one machine.
 NORM_WIDE_K = 4096
 # A one-row SiLU launch (a down projection) streams 2048-wide chunks: Qwen3-8B's batch-1
 # decode went from 257.2-257.3 to 259.0 tok/s on the H200 (docs/BENCHMARKS.md).
