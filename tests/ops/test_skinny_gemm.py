@@ -13,6 +13,7 @@ from vllmpy.ops.skinny_gemm import (
     FOLD_MAX_CHUNKS,
     FOLD_MAX_PROGRAMS_PER_SM,
     MAX_ROWS,
+    NORM_WIDE_K,
     PLAIN,
     RMS_NORM,
     SILU_MUL,
@@ -294,3 +295,38 @@ def test_folds_norm_for_the_benchmark_models() -> None:
     assert folds_norm(1, 6144, 4096, 8, 512, 132)  # Qwen3-8B qkv: 768 programs, one wave
     assert not folds_norm(1, 24576, 4096, 8, 512, 132)  # Qwen3-8B gate_up: 3,072 programs
     assert not folds_norm(2, 6144, 4096, 8, 512, 132)  # more rows: the prologue
+
+
+@pytest.mark.parametrize("prologue,grid", [(RMS_NORM, "one wave"), (RMS_NORM, "more"),
+                                           (SILU_MUL, "more"), (PLAIN, "more")])
+def test_one_row_default_launches_of_long_rows_match_the_reference(prologue: int,
+                                                                     grid: str) -> None:
+    # K = 4,096, one row, too many weight rows for whole shares: the streamed launches
+    # Qwen3-8B's decode takes. Per-thread sums over 1024-wide chunks on a one-wave grid
+    # (qkv), over 2048-wide folded chunks on a larger one (gate_up), over 2048-wide SiLU
+    # chunks (down) and over 1024-wide plain chunks (o)
+    k = NORM_WIDE_K
+    sms = num_multiprocessors(torch.device(DEVICE))
+    n = 8 * (WHOLE_SHARE_WAVES * sms + 1)
+    if grid == "more":
+        n = max(n, 8 * (FOLD_MAX_PROGRAMS_PER_SM * sms + 1))
+    assert whole_share_rows(n, k, sms) is None
+    if prologue == RMS_NORM:
+        assert norm_launch(1, n, k, sms) == ((8, 1024, 4) if grid == "one wave"
+                                             else (8, 2048, 8))
+    g = torch.Generator().manual_seed(prologue * 100 + n)
+    w = torch.randn(n, k, generator=g).to(DEVICE)
+    if prologue == RMS_NORM:
+        x = torch.randn(1, k, generator=g).to(DEVICE)
+        res = torch.randn(1, k, generator=g).to(DEVICE)
+        nw = torch.rand(k, generator=g).to(DEVICE) + 0.5
+        out, total = rms_norm_gemm(x, res, nw, 1e-6, w)
+        ref, ref_total = rms_norm_gemm_ref(x, res, nw, 1e-6, w)
+        torch.testing.assert_close(total, ref_total, rtol=0, atol=0)
+    elif prologue == SILU_MUL:
+        x = torch.randn(1, 2 * k, generator=g).to(DEVICE)
+        out, ref = silu_mul_gemm(x, w), silu_mul_gemm_ref(x, w)
+    else:
+        x = torch.randn(1, k, generator=g).to(DEVICE)
+        out, ref = skinny_gemm(x, w), F.linear(x, w)
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-3)
