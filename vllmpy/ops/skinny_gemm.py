@@ -353,9 +353,8 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.T
     # 4 warps for the norm prologue (the qkv and gate_up projections; a long one-row norm
     # launch as ``norm_launch`` says); the down projections (SiLU prologue, long K) in
     # 1024-wide chunks on 8 warps (25.3 against 29.9 us for Qwen3-8B's; one row takes
-    # SILU_ONE_ROW_K); a plain GEMM
-    # (o_proj) on 2 rows per program in 1024-wide chunks, which puts 4x the programs in
-    # flight (9.2 against 11.4 us for Qwen3-8B's).
+    # SILU_ONE_ROW_K); a plain GEMM (o_proj) on 2 rows per program in 1024-wide chunks,
+    # which puts 4x the programs in flight (9.2 against 11.4 us for Qwen3-8B's).
     if block_n is None and prologue == RMS_NORM:
         block_n, block_k, num_warps = norm_launch(m, n, k, num_sms)
     if block_n is None:
