@@ -289,7 +289,8 @@ def test_norm_launch_for_the_benchmark_models() -> None:
 
 
 def test_folds_norm_for_the_benchmark_models() -> None:
-    # H200: 132 multiprocessors; the launches' default tiles (8 rows, 512-wide chunks)
+    # H200: 132 multiprocessors; 8 rows, 512-wide chunks (the tiles of a norm launch of
+    # more rows, or of shorter rows; one-row launches of long rows: norm_launch above)
     assert folds_norm(1, 6144, 1024, 8, 1024, 132)  # Qwen3-0.6B qkv: one chunk
     assert folds_norm(1, 6144, 1024, 8, 512, 132)  # Qwen3-0.6B gate_up: two chunks
     assert folds_norm(1, 6144, 4096, 8, 512, 132)  # Qwen3-8B qkv: 768 programs, one wave
