@@ -10,9 +10,10 @@ equal to the whole response's arguments).
 from __future__ import annotations
 
 import json
-import random
 
 import pytest
+from tool_parser_utils import TOOLS, WEATHER, check_delta_rules, check_vector, cut_sets, replay
+from tool_vectors_b import VECTORS_B
 
 from vllmpy.entrypoints.openai.cli_args import parse_server_args, resolve_output_parsers
 from vllmpy.entrypoints.openai.tool_parsers import (
@@ -20,7 +21,7 @@ from vllmpy.entrypoints.openai.tool_parsers import (
     detect_tool_parser,
     get_tool_parser,
 )
-from vllmpy.entrypoints.openai.tool_parsers.abstract import ParsedDelta, ToolParser, collect
+from vllmpy.entrypoints.openai.tool_parsers.abstract import collect
 from vllmpy.entrypoints.openai.tool_parsers.forced import (
     NamedToolParser,
     RequiredToolParser,
@@ -29,13 +30,6 @@ from vllmpy.entrypoints.openai.tool_parsers.forced import (
 )
 from vllmpy.entrypoints.openai.tool_parsers.json_stream import JsonValueWriter, canonical_json
 
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather",
-    "parameters": {"type": "object", "properties": {
-        "city": {"type": "string"}, "days": {"type": "integer"},
-        "metric": {"type": "boolean"}, "ratio": {"type": "number"},
-        "tags": {"type": "array"}, "where": {"type": "object"}}}}}
-TOOLS = [WEATHER, {"type": "function", "function": {"name": "get_time"}}]
 
 # (parser, model text, expected content, expected [(name, arguments as a JSON value)])
 VECTORS = [
@@ -120,62 +114,15 @@ def _ids(vectors):
     return [f"{v[0]}-{i}" for i, v in enumerate(vectors)]
 
 
-def replay(make: type[ToolParser] | object, text: str, cuts: list[int]) -> list[ParsedDelta]:
-    parser = make()  # type: ignore[operator]
-    deltas, last = [], 0
-    for cut in [*cuts, len(text)]:
-        deltas.append(parser.push(text[last:cut]))
-        last = cut
-    deltas.append(parser.finish())
-    return deltas
-
-
-def check_delta_rules(deltas: list[ParsedDelta]) -> None:
-    opened: set[int] = set()
-    last = -1
-    for d in deltas:
-        for call in d.tool_calls:
-            assert call.index >= last, "call indexes must not go back"
-            last = call.index
-            if call.id is not None:
-                assert call.index not in opened, "id and name come once per call"
-                assert call.name, "the first delta of a call names the function"
-                assert call.index == len(opened), "calls are numbered 0, 1, 2, ..."
-                opened.add(call.index)
-            else:
-                assert call.name is None and call.index in opened
-
-
-def cut_sets(text: str) -> list[list[int]]:
-    rng = random.Random(len(text))
-    sets = [list(range(1, len(text)))]  # one character at a time
-    sets += [[i] for i in range(1, len(text))]  # every two-piece cut
-    for _ in range(20):
-        sets.append(sorted(rng.sample(range(1, len(text)), min(len(text) - 1,
-                                                               rng.randint(1, 12)))))
-    return sets
-
-
 @pytest.mark.parametrize("name, text, content, calls", VECTORS, ids=_ids(VECTORS))
 def test_vectors_whole_and_streamed(name, text, content, calls):
-    cls = get_tool_parser(name)
-    whole = cls(TOOLS).parse(text)
-    assert whole.content == content
-    assert [(c.name, json.loads(c.arguments)) for c in whole.tool_calls] == calls
-    assert len({c.id for c in whole.tool_calls}) == len(calls)
-    for cuts in cut_sets(text):
-        deltas = replay(lambda: cls(TOOLS), text, cuts)
-        check_delta_rules(deltas)
-        streamed = collect(deltas)
-        assert streamed.content == whole.content, cuts
-        assert [(c.name, c.arguments) for c in streamed.tool_calls] == \
-            [(c.name, c.arguments) for c in whole.tool_calls], cuts
+    check_vector(name, text, content, calls)
 
 
 def test_every_family_has_vectors():
-    families = {target for target in TOOL_PARSERS.values()}
-    covered = {TOOL_PARSERS[v[0]] for v in VECTORS}
-    assert families == covered
+    families = set(TOOL_PARSERS.values())
+    covered = {TOOL_PARSERS[v[0]] for v in [*VECTORS, *VECTORS_B]}
+    assert sorted(families - covered) == []
 
 
 def test_arguments_stream_before_the_call_ends():

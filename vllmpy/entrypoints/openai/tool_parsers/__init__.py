@@ -28,10 +28,19 @@ TOOL_PARSERS: dict[str, str] = {
     "deepseek_v3": f"{_PKG}.deepseek_v3:DeepSeekV3ToolParser",
     "granite": f"{_PKG}.granite:GraniteToolParser",
     "internlm": f"{_PKG}.internlm:InternLMToolParser",
+    # -- group A --
+    # -- end of group A --
+    # -- group B --
+    # -- end of group B --
 }
 
-# (parser, what the chat template must contain), checked in order
+# (parser, what the chat template must contain), checked in order: the most specific
+# first, since several formats share tags such as <tool_call>
 _SIGNATURES: tuple[tuple[str, tuple[str, ...]], ...] = (
+    # -- group A --
+    # -- end of group A --
+    # -- group B --
+    # -- end of group B --
     ("qwen3_coder", ("<tool_call>", "<function=", "<parameter=")),
     ("granite", ("<|start_of_role|>", "<|tool_call|>")),
     ("granite", ("<|start_of_role|>", "<tool_call>")),
