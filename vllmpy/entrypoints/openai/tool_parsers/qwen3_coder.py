@@ -21,34 +21,27 @@ not name, stay text. ``<tool_call>`` may be left out around ``<function=...>``; 
 
 from __future__ import annotations
 
-import ast
-import json
-from typing import Any
-
-from vllmpy.entrypoints.openai.tool_parsers.abstract import ToolParser, Tools, dumps
+from vllmpy.entrypoints.openai.tool_parsers.abstract import ToolParser, Tools
+from vllmpy.entrypoints.openai.tool_parsers.xml_args import ArgsWriter
 from vllmpy.reasoning.abstract import split_at_marker
 
-CALL, CALL_END = "<tool_call>", "</tool_call>"
 FUNC, FUNC_END = "<function=", "</function>"
 PARAM, PARAM_END = "<parameter=", "</parameter>"
-_STRING_TYPES = {"string", "str", "text", "varchar", "char", "enum"}
 _MAX_NAME = 256  # a name longer than this without its '>' is not markup
 
 
 class Qwen3CoderToolParser(ToolParser):
     needs_special_tokens = True  # <tool_call> is a special token in Qwen3's vocabulary
+    call_start, call_end = "<tool_call>", "</tool_call>"
+    trim_newlines = True  # a value loses one leading and one trailing newline
 
     def __init__(self, tools: Tools = None) -> None:
         super().__init__(tools)
         # text | open | name | params | pname | pvalue | after
         self._state = "text"
         self._marker = ""  # the markup read since the call began, given back if no call
-        self._function = ""
-        self._param = ""
-        self._value = ""  # a non-string value, collected
-        self._string = False  # the current value streams as a JSON string
-        self._value_begun = False  # its optional leading newline was dealt with
-        self._params = 0
+        self._args: ArgsWriter | None = None
+        self._value_begun = False  # the value's optional leading newline was dealt with
 
     def _parse(self, final: bool) -> None:
         step = {"text": self._text, "open": self._open, "name": self._name,
@@ -58,11 +51,11 @@ class Qwen3CoderToolParser(ToolParser):
             pass
 
     def _text(self, final: bool) -> bool:
-        marker = self.scan_content((CALL, FUNC), final)
+        marker = self.scan_content((self.call_start, FUNC), final)
         if marker is None:
             return False
         self._marker = marker
-        self._state = "open" if marker == CALL else "name"
+        self._state = "open" if marker == self.call_start else "name"
         return True
 
     def _open(self, final: bool) -> bool:
@@ -99,13 +92,13 @@ class Qwen3CoderToolParser(ToolParser):
         name = self._read_name(final)
         if name is None:
             return self._state == "text"  # given back as content, or waiting for '>'
-        self._function, self._params = name, 0
         self.start_call(name)
+        self._args = ArgsWriter(self, name)
         self._state = "params"
         return True
 
     def _params_step(self, final: bool) -> bool:
-        before, marker, after = split_at_marker(self._buf, (PARAM, FUNC_END, CALL_END))
+        before, marker, after = split_at_marker(self._buf, (PARAM, FUNC_END, self.call_end))
         if marker is None:
             # text between parameters is not part of the call; at the end, neither is a
             # marker cut short
@@ -130,13 +123,10 @@ class Qwen3CoderToolParser(ToolParser):
                 self._end_function()
                 self._state = "text"
             return final
-        self._param = self._buf[:at].strip()
+        assert self._args is not None
+        self._args.begin(self._buf[:at].strip())
         self._buf = self._buf[at + 1:]
-        self._string = self._is_string(self._param)
-        self._value, self._value_begun = "", False
-        self.emit_args(("{" if self._params == 0 else ", ") + dumps(self._param) + ": "
-                       + ('"' if self._string else ""))
-        self._params += 1
+        self._value_begun = False
         self._state = "pvalue"
         return True
 
@@ -148,89 +138,38 @@ class Qwen3CoderToolParser(ToolParser):
         if not self._value_begun:
             if not before and not ended:
                 return False  # the first character decides on the leading newline
-            before = before.removeprefix("\n")
+            if self.trim_newlines:
+                before = before.removeprefix("\n")
             self._value_begun = True
         if not ended:
             # keep a trailing newline back: it may be the one that ends the value
-            hold = 1 if before.endswith("\n") else 0
+            hold = 1 if before.endswith("\n") and self.trim_newlines else 0
             self._add_value(before[:len(before) - hold])
             self._buf = before[len(before) - hold:] + after
             return False
-        self._add_value(before[:-1] if before.endswith("\n") else before)
-        self._end_value()
+        if self.trim_newlines:
+            before = before.removesuffix("\n")
+        self._add_value(before)
+        assert self._args is not None
+        self._args.end()
         self._buf = after if marker == PARAM_END else (marker or "") + after
         self._state = "params"
         return True
 
     def _add_value(self, text: str) -> None:
-        if self._string:
-            self.emit_args(json.dumps(text, ensure_ascii=False)[1:-1])
-        else:
-            self._value += text
-
-    def _end_value(self) -> None:
-        if self._string:
-            self.emit_args('"')
-        else:
-            self.emit_args(dumps(self._convert(self._param, self._value)))
+        assert self._args is not None
+        self._args.add(text)
 
     def _end_function(self) -> None:
-        self.emit_args("{}" if self._params == 0 else "}")
+        assert self._args is not None
+        self._args.finish()
         self.end_call()
 
     def _after(self, final: bool) -> bool:
-        before, marker, after = split_at_marker(self._buf, (CALL_END, CALL, FUNC))
-        if marker == CALL_END:
+        before, marker, after = split_at_marker(self._buf, (self.call_end, self.call_start, FUNC))
+        if marker == self.call_end:
             self._buf = after
         elif marker is None and not final:
             return False
         self._state = "text"
         return True
-
-    # -- types ------------------------------------------------------------------------------
-
-    def _param_schema(self, param: str) -> dict[str, Any] | None:
-        function = self.functions.get(self._function) or {}
-        properties = (function.get("parameters") or {}).get("properties") or {}
-        schema = properties.get(param)
-        return schema if isinstance(schema, dict) else None
-
-    def _types(self, param: str) -> list[str]:
-        schema = self._param_schema(param)
-        if schema is None:
-            return ["string"]
-        kind = schema.get("type", "string" if "enum" in schema else "")
-        kinds = kind if isinstance(kind, list) else [kind]
-        return [str(k).lower() for k in kinds]
-
-    def _is_string(self, param: str) -> bool:
-        return any(k in _STRING_TYPES for k in self._types(param))
-
-    def _convert(self, param: str, value: str) -> Any:
-        if value.strip().lower() == "null":
-            return None
-        for kind in self._types(param):
-            text = value.strip()
-            try:
-                if kind.startswith("int") or kind in ("uint", "long", "short", "unsigned"):
-                    return int(text)
-                if kind.startswith("num") or kind.startswith("float") or kind == "double":
-                    number = json.loads(text)
-                    if isinstance(number, (int, float)) and not isinstance(number, bool):
-                        return number
-                elif kind in ("boolean", "bool", "binary") and text.lower() in ("true", "false"):
-                    return text.lower() == "true"
-                elif kind in ("object", "array", "dict", "list", "arr") or not kind:
-                    return _json_or_literal(text)
-            except (ValueError, SyntaxError, TypeError):
-                continue
-        return value
-
-
-def _json_or_literal(text: str) -> Any:
-    try:
-        return json.loads(text)
-    except ValueError:
-        value = ast.literal_eval(text)
-        json.dumps(value)  # refuses what JSON cannot hold (a ValueError or TypeError)
-        return value
