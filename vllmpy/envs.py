@@ -60,6 +60,9 @@ _VARIABLES: dict[str, Callable[[], Any]] = {
     # Worker processes that compile the start-up's Triton kernels in parallel on CUDA
     # (see vllmpy.ops.precompile); unset: one per spare core, up to 8; "0": none.
     "VT_COMPILE_WORKERS": lambda: _opt_int("VT_COMPILE_WORKERS"),
+    # Fault tests only: a request whose prompt text contains this string fails while its
+    # output is processed, as a request hitting a bug there would (unset: never).
+    "VT_TEST_FAULT_PROMPT": lambda: os.environ.get("VT_TEST_FAULT_PROMPT") or None,
 }
 
 

@@ -188,6 +188,20 @@ class AsyncLLM:
         """Raise EngineDeadError if the engine core is dead."""
         self._raise_if_dead()
 
+    @property
+    def is_dead(self) -> bool:
+        """Whether the engine core is dead (checked now, not at the last output)."""
+        try:
+            self._raise_if_dead()
+        except EngineDeadError:
+            return True
+        return False
+
+    @property
+    def num_in_flight(self) -> int:
+        """generate() calls not yet ended."""
+        return len(self._requests)
+
     async def reset_prefix_cache(self) -> bool:
         self._raise_if_dead()
         return bool(await self.client.call_utility("reset_prefix_cache"))
@@ -232,6 +246,8 @@ class AsyncLLM:
         child ids a stop string finished, which the core must abort."""
         self._record_core_outputs(batch)
         outputs, to_abort = self.output_processor.process_outputs(batch.outputs)
+        for request_id, error in self.output_processor.take_failures():
+            self._fail_request(request_id, error)
         for out in outputs:
             state = self._requests.get(out.request_id)
             if state is None or state.failed:
@@ -256,10 +272,15 @@ class AsyncLLM:
                                        parent_id not in timed)
             if out.new_token_ids:
                 timed.add(parent_id)
-            if out.finish_reason == "error" and not state.failed:
-                state.failed = True
-                state.queue.put_nowait(EngineGenerateError(
-                    f"request {parent_id!r} failed in the engine: {out.error}"))
+            if out.finish_reason == "error":
+                self._fail_request(parent_id, out.error)
+
+    def _fail_request(self, request_id: str, error: str | None) -> None:
+        state = self._requests.get(request_id)
+        if state is not None and not state.failed:
+            state.failed = True
+            state.queue.put_nowait(EngineGenerateError(
+                f"request {request_id!r} failed in the engine: {error}"))
 
     @staticmethod
     def _take_metrics(state: _RequestState, finished: bool, now: float) -> RequestMetrics:

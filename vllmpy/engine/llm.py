@@ -96,8 +96,14 @@ class LLM:
                                "waits for some; this is a bug")
         self._record_token_times(batch.outputs, batch.timestamp)
         outputs, to_abort = self.output_processor.process_outputs(core_outputs)
+        failures = self.output_processor.take_failures()
         if to_abort:
             self.engine.abort_requests(to_abort)
+        if failures:
+            request_id, error = failures[0]
+            self._metrics.pop(request_id, None)
+            raise RuntimeError(f"request {request_id!r} failed while its output was "
+                               f"processed: {error}")
         for out in outputs:
             out.metrics = self._take_metrics(out.request_id, out.finished, batch.timestamp)
         return outputs

@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from vllmpy import envs
 from vllmpy.core.sched_output import EngineCoreOutput, LogprobsLists
 from vllmpy.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput, SampleLogprobs
 from vllmpy.sampling_params import RequestOutputKind, SamplingParams
@@ -62,6 +63,9 @@ class OutputProcessor:
         self.parents: dict[str, _ParentState] = {}
         self.child_to_parent: dict[str, str] = {}
         self._token_texts: dict[int, str] = {}  # token id -> its text decoded alone
+        # (request id, error) of requests whose processing raised: see take_failures
+        self._failures: list[tuple[str, str]] = []
+        self._fault_prompt = envs.VT_TEST_FAULT_PROMPT
 
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
                     child_params: list[SamplingParams]) -> list[str]:
@@ -92,7 +96,10 @@ class OutputProcessor:
         self, outputs: list[EngineCoreOutput]
     ) -> tuple[list[RequestOutput], list[str]]:
         """Returns the RequestOutputs to hand out and the child ids the core must abort
-        (those a stop string finished)."""
+        (those a stop string finished, and those of a request that failed here).
+
+        A request whose processing raises fails alone: it is forgotten, its children are
+        aborted, and ``take_failures`` reports it; the other requests go on."""
         to_abort: list[str] = []
         touched: dict[str, _ParentState] = {}
         for out in outputs:
@@ -100,25 +107,51 @@ class OutputProcessor:
             if parent_id is None:
                 continue  # aborted by the frontend already
             parent = self.parents[parent_id]
-            child = parent.children[out.req_id]
-            if child.finish_reason is not None:
+            try:
+                if self._apply(parent, out):
+                    to_abort.append(out.req_id)
+            except Exception as e:  # noqa: BLE001 - one request's failure stays its own
+                to_abort += self._fail(parent, e)
+                touched.pop(parent_id, None)
                 continue
-            parent.num_cached_tokens = max(parent.num_cached_tokens, out.num_cached_tokens)
-            if out.new_prompt_logprobs is not None:
-                self._add_prompt_logprobs(parent, child, out.new_prompt_logprobs)
-            if not out.new_token_ids and not out.finished:
-                continue  # a prefill chunk's prompt logprobs, nothing to hand out yet
-            if self._update_child(child, out):
-                to_abort.append(out.req_id)
             touched[parent_id] = parent
         results = []
         for parent in touched.values():
-            result = self._make_output(parent)
+            try:
+                result = self._make_output(parent)
+            except Exception as e:  # noqa: BLE001
+                to_abort += self._fail(parent, e)
+                continue
             if result is not None:
                 results.append(result)
             if parent.finished:
                 self._forget(parent)
         return results, to_abort
+
+    def take_failures(self) -> list[tuple[str, str]]:
+        """(request id, error) of every request that failed in ``process_outputs`` since
+        the last call."""
+        failures, self._failures = self._failures, []
+        return failures
+
+    def _apply(self, parent: _ParentState, out: EngineCoreOutput) -> bool:
+        """One core output of one child; True when a stop string finished it here."""
+        child = parent.children[out.req_id]
+        if child.finish_reason is not None:
+            return False
+        if self._fault_prompt is not None and self._fault_prompt in (parent.prompt or ""):
+            raise RuntimeError("fault injected by VT_TEST_FAULT_PROMPT")
+        parent.num_cached_tokens = max(parent.num_cached_tokens, out.num_cached_tokens)
+        if out.new_prompt_logprobs is not None:
+            self._add_prompt_logprobs(parent, child, out.new_prompt_logprobs)
+        if not out.new_token_ids and not out.finished:
+            return False  # a prefill chunk's prompt logprobs, nothing to hand out yet
+        return self._update_child(child, out)
+
+    def _fail(self, parent: _ParentState, error: Exception) -> list[str]:
+        """Forget a request whose processing raised; returns its unfinished child ids."""
+        self._failures.append((parent.request_id, f"{type(error).__name__}: {error}"))
+        return self.abort(parent.request_id)
 
     def abort(self, request_id: str) -> list[str]:
         """Forget a prompt; returns its child ids that the core should abort."""

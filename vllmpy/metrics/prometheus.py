@@ -204,6 +204,13 @@ class PrometheusStatLogger:
             if queries is not None and hits is not None:
                 self._record_prefix_cache_totals(queries, hits)
 
+    def engine_stopped(self) -> None:
+        """The engine core is gone: nothing runs, waits or holds KV blocks any more."""
+        with self._lock:
+            self.gauge_running.set(0)
+            self.gauge_waiting.set(0)
+            self.gauge_kv_cache_usage.set(0)
+
     def record_prefix_cache(self, queries: int, hits: int) -> None:
         """Count tokens looked up in the prefix cache and how many of them were cached."""
         if queries > 0:

@@ -39,7 +39,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"server: {e}", file=sys.stderr)
         return 1
     name = args.served_model_name or default_served_model_name(engine.model_config.model)
-    app = build_app(engine, args, name)
+    engine_died = False
+
+    def stop_on_engine_death() -> None:
+        nonlocal engine_died
+        engine_died = True
+        server.should_exit = True
+
+    app = build_app(engine, args, name, on_engine_dead=stop_on_engine_death)
     startup_lines(engine, name)
     config = uvicorn.Config(app, host=args.host, port=args.port,
                             log_level="info" if args.verbose else "warning",
@@ -54,6 +61,9 @@ def main(argv: list[str] | None = None) -> int:
         pass
     finally:
         engine.shutdown()
+    if engine_died:
+        print("server: exiting with status 1 because the engine core died", file=sys.stderr)
+        return 1
     return 0 if server.started else 1
 
 

@@ -7,9 +7,13 @@ once the engine is ready.
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
+import hmac
 import platform
 import sys
 import time
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -35,6 +39,7 @@ from vllmpy.entrypoints.openai.serving_chat import ChatHandler
 from vllmpy.entrypoints.openai.serving_common import (
     ClientDisconnected,
     ServerContext,
+    as_openai_error,
     parse_body,
     until_disconnected,
     with_keepalive,
@@ -45,41 +50,65 @@ from vllmpy.entrypoints.openai.serving_tokenization import TokenizationHandler
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
-class RequestGuard:
-    """Refuses a body over the size limit (413), then a /v1 request without the API key
-    (401). A plain ASGI middleware: Starlette's ``@app.middleware("http")`` would pass
-    every streamed chunk through an extra memory stream, which costs more than the rest
-    of a token's trip through the server."""
+# Routes a supervisor or a scraper reads: open without the API key, and still answering
+# once the engine is dead (/health then says so).
+OPEN_PATHS = frozenset({"/health", "/ping", "/metrics"})
 
-    def __init__(self, app: ASGIApp, max_body_bytes: int, api_key: str | None) -> None:
+
+class RequestGuard:
+    """Refuses, before any route runs: a body over the size limit (413); any route but
+    ``OPEN_PATHS`` once the engine core is dead (503: the server is going down and serves
+    nothing); a request without the API key on any route but ``OPEN_PATHS`` and CORS
+    preflights (401; the key is compared in constant time). A plain ASGI middleware:
+    Starlette's ``@app.middleware("http")`` would pass every streamed chunk through an
+    extra memory stream, which costs more than the rest of a token's trip through the
+    server."""
+
+    def __init__(self, app: ASGIApp, max_body_bytes: int, api_key: str | None,
+                 engine: AsyncLLM | None = None) -> None:
         self.app = app
         self.max_body_bytes = max_body_bytes
-        self.api_key = api_key
+        self.expected_auth = None if not api_key else f"Bearer {api_key}".encode()
+        self.engine = engine
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        headers = Headers(scope=scope)
-        length = headers.get("content-length")
-        refusal = None
-        if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
-            refusal = _error(413, f"request body of {length} bytes exceeds the limit of "
-                                  f"{self.max_body_bytes} bytes")
-        elif (self.api_key and scope["path"].startswith("/v1") and scope["method"] != "OPTIONS"
-              and headers.get("authorization") != f"Bearer {self.api_key}"):
-            refusal = _error(401, "missing or wrong API key: send 'Authorization: Bearer <key>'")
+        refusal = self._refusal(scope)
         if refusal is not None:
             await refusal(scope, receive, send)
             return
         await self.app(scope, receive, send)
+
+    def _refusal(self, scope: Scope) -> JSONResponse | None:
+        headers = Headers(scope=scope)
+        length = headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
+            return _error(413, f"request body of {length} bytes exceeds the limit of "
+                               f"{self.max_body_bytes} bytes")
+        if scope["path"] in OPEN_PATHS:
+            return None
+        if self.engine is not None and self.engine.is_dead:
+            return _error(503, f"the engine has stopped: {self.engine.dead_error}; the "
+                               f"server is shutting down")
+        if self.expected_auth is not None and scope["method"] != "OPTIONS":
+            given = headers.get("authorization", "").encode("latin-1")
+            if not hmac.compare_digest(given, self.expected_auth):
+                return _error(401, "missing or wrong API key: send 'Authorization: Bearer "
+                                   "<key>'")
+        return None
 
 
 def _error(status: int, message: str, param: str | None = None) -> JSONResponse:
     return JSONResponse(error_body(status, message, param), status_code=status)
 
 
-def build_app(engine: AsyncLLM, args: argparse.Namespace, served_model_name: str) -> FastAPI:
+def build_app(engine: AsyncLLM, args: argparse.Namespace, served_model_name: str,
+              on_engine_dead: Callable[[], None] | None = None) -> FastAPI:
+    """The app over ``engine``. When the engine core dies, ``on_engine_dead`` is called
+    once the requests in flight have ended (or after ``DEAD_ENGINE_GRACE_S``): the server
+    then exits non-zero, so a supervisor restarts it."""
     tool_parser, reasoning_parser = resolve_output_parsers(
         args, getattr(engine.tokenizer, "chat_template", None))
     ctx = ServerContext(
@@ -104,14 +133,23 @@ def build_app(engine: AsyncLLM, args: argparse.Namespace, served_model_name: str
         metrics = PrometheusStatLogger(served_model_name, ctx.max_model_len)
         engine.stat_listeners.append(metrics.listener)
 
-    app = FastAPI(title="vllmpy", version=vllmpy.__version__, docs_url=None, redoc_url=None)
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        watchdog = asyncio.ensure_future(watch_engine(engine, metrics, on_engine_dead))
+        try:
+            yield
+        finally:
+            watchdog.cancel()
+
+    app = FastAPI(title="vllmpy", version=vllmpy.__version__, docs_url=None, redoc_url=None,
+                  lifespan=lifespan)
     if args.allowed_origins:
         origins = [o.strip() for o in args.allowed_origins.split(",") if o.strip()]
         app.add_middleware(CORSMiddleware, allow_origins=origins, allow_methods=["*"],
                            allow_headers=["*"], allow_credentials=True)
 
     app.add_middleware(RequestGuard, max_body_bytes=args.max_request_body_bytes,
-                       api_key=args.api_key)
+                       api_key=args.api_key, engine=engine)
 
     @app.exception_handler(OpenAIError)
     async def openai_error(_: Request, e: OpenAIError) -> JSONResponse:
@@ -131,7 +169,8 @@ def build_app(engine: AsyncLLM, args: argparse.Namespace, served_model_name: str
 
     @app.exception_handler(Exception)
     async def internal_error(_: Request, e: Exception) -> JSONResponse:
-        return _error(500, f"internal error: {type(e).__name__}: {e}")
+        error = as_openai_error(e)
+        return _error(error.status_code, error.message, error.param)
 
     async def run_or_stream(raw: Request, handler, req) -> Response:
         if not req.stream:
@@ -147,12 +186,10 @@ def build_app(engine: AsyncLLM, args: argparse.Namespace, served_model_name: str
 
     @app.post("/v1/completions")
     async def create_completion(raw: Request) -> Response:
-        await _check_alive(engine)
         return await run_or_stream(raw, completions, await parse_body(raw, CompletionRequest))
 
     @app.post("/v1/chat/completions")
     async def create_chat_completion(raw: Request) -> Response:
-        await _check_alive(engine)
         return await run_or_stream(raw, chat, await parse_body(raw, ChatCompletionRequest))
 
     @app.get("/v1/models")
@@ -208,11 +245,27 @@ def build_app(engine: AsyncLLM, args: argparse.Namespace, served_model_name: str
 
 
 START_TIME = time.time()
+# How often the watchdog checks the engine core, and how long a dead engine's requests in
+# flight get to end with their error before the server exits.
+ENGINE_WATCH_S = 0.2
+DEAD_ENGINE_GRACE_S = 2.0
 
 
-async def _check_alive(engine: AsyncLLM) -> None:
-    if engine.errored:
-        raise OpenAIError(503, f"the engine has stopped: {engine.dead_error}")
+async def watch_engine(engine: AsyncLLM, metrics: Any,
+                       on_engine_dead: Callable[[], None] | None) -> None:
+    """Wait for the engine core to die; then zero the gauges (nothing runs any more), let
+    the requests in flight end with their error, and call ``on_engine_dead``."""
+    while not engine.is_dead:
+        await asyncio.sleep(ENGINE_WATCH_S)
+    print(f"server: the engine core has died ({engine.dead_error}); failing the requests in "
+          f"flight and shutting down", file=sys.stderr, flush=True)
+    if metrics is not None:
+        metrics.engine_stopped()
+    deadline = time.monotonic() + DEAD_ENGINE_GRACE_S
+    while engine.num_in_flight and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    if on_engine_dead is not None:
+        on_engine_dead()
 
 
 def _server_info(engine: AsyncLLM, args: argparse.Namespace, name: str) -> dict[str, Any]:

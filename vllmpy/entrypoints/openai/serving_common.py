@@ -14,7 +14,7 @@ import pydantic
 from starlette.requests import Request
 
 from vllmpy import envs
-from vllmpy.engine.async_llm import AsyncLLM
+from vllmpy.engine.async_llm import AsyncLLM, EngineDeadError, EngineGenerateError
 from vllmpy.entrypoints.openai.errors import OpenAIError, validation_error_to_openai
 from vllmpy.entrypoints.openai.protocol import (
     ChatCompletionLogProb,
@@ -194,12 +194,20 @@ def sse(data: Any) -> str:
 SSE_DONE = "data: [DONE]\n\n"
 
 
-def error_frame(e: BaseException) -> str:
-    from vllmpy.entrypoints.openai.errors import error_body
-
+def as_openai_error(e: BaseException) -> OpenAIError:
+    """What a failed request answers: its own OpenAIError, 503 when the engine core died
+    under it, 500 for anything else (the request failed; the server goes on)."""
     if isinstance(e, OpenAIError):
-        return sse(error_body(e.status_code, e.message, e.param))
-    return sse(error_body(500, f"the request failed inside the engine: {e}"))
+        return e
+    if isinstance(e, EngineDeadError):
+        return OpenAIError(503, f"the engine has stopped: {e}")
+    if isinstance(e, EngineGenerateError):
+        return OpenAIError(500, str(e))
+    return OpenAIError(500, f"the request failed inside the server: {type(e).__name__}: {e}")
+
+
+def error_frame(e: BaseException) -> str:
+    return sse(as_openai_error(e).body())
 
 
 async def until_disconnected(raw: Request, work: Awaitable[T]) -> T:
