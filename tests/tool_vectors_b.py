@@ -1,6 +1,103 @@
 """Tool-call vectors of the second group of families (see test_tool_parsers_b.py):
-(parser, model text, expected content, expected [(name, arguments as a JSON value)])."""
+(parser, model text, expected content, expected [(name, arguments as a JSON value)]).
+
+Each is written by hand from the family's format as its chat template renders an
+assistant turn (and as vLLM's parser for it reads one)."""
 
 from __future__ import annotations
 
-VECTORS_B: list[tuple[str, str, str | None, list[tuple[str, object]]]] = []
+_PARIS = ("get_weather", {"city": "Paris"})
+_TIME = ("get_time", {})
+
+VECTORS_B: list[tuple[str, str, str | None, list[tuple[str, object]]]] = [
+    # jamba: one JSON array between <tool_calls> tags
+    ("jamba", 'Let me check.<tool_calls>[{"name": "get_weather", "arguments": {"city": '
+     '"Paris"}}, {"name": "get_time", "arguments": {}}]</tool_calls>',
+     "Let me check.", [_PARIS, _TIME]),
+    ("jamba", "It is sunny in Paris.", "It is sunny in Paris.", []),
+    ("jamba", '<tool_calls>[{"name": "get_weather", "arguments": {"where": {"lat": 1.5, '
+     '"tags": ["a", "b\\"c"]}, "days": 3}}]</tool_calls>', None,
+     [("get_weather", {"where": {"lat": 1.5, "tags": ["a", 'b"c']}, "days": 3})]),
+    ("jamba", '<tool_calls>[{"name": "get_weather", "arguments": {"city": "Par', None,
+     [("get_weather", {"city": "Par"})]),
+    ("jamba", "<tool_calls> are tags", "<tool_calls> are tags", []),
+    # phi4_mini_json: functools[...] (Phi-4-mini, Firefunction v2)
+    ("phi4_mini_json", 'Sure. functools[{"name": "get_weather", "arguments": {"city": '
+     '"Paris"}}, {"name": "get_time", "parameters": {}}]', "Sure.", [_PARIS, _TIME]),
+    ("phi4_mini_json", "I like functools in Python.", "I like functools in Python.", []),
+    ("phi4_mini_json", 'functools[{"name": "get_weather", "arguments": {"city": "S\\u00e3o '
+     'Paulo", "metric": false}}', None,
+     [("get_weather", {"city": "São Paulo", "metric": False})]),
+    # apertus: [{"name": {args}}] between <|tools_prefix|> and <|tools_suffix|>
+    ("apertus", 'I will check. <|tools_prefix|>[{"get_weather": {"city": "Paris"}}, '
+     '{"get_time": {}}]<|tools_suffix|>', "I will check.", [_PARIS, _TIME]),
+    ("apertus", "No tools needed.", "No tools needed.", []),
+    ("apertus", '<|tools_prefix|>[{"get_weather": {"days": 2, "tags": [null, true]}}, '
+     '{"get_time": {"zone": "UT', None,
+     [("get_weather", {"days": 2, "tags": [None, True]}), ("get_time", {"zone": "UT"})]),
+    ("apertus", '<|tools_prefix|>["not a call"]<|tools_suffix|>',
+     '<|tools_prefix|>["not a call"]<|tools_suffix|>', []),
+    # granite-20b-fc: <function_call> before each JSON object
+    ("granite-20b-fc", 'Let me check. <function_call> {"name": "get_weather", "arguments": '
+     '{"city": "Paris"}} <function_call> {"name": "get_time", "arguments": {}}',
+     "Let me check.", [_PARIS, _TIME]),
+    ("granite-20b-fc", "Paris is sunny.", "Paris is sunny.", []),
+    ("granite-20b-fc", '<function_call> {"name": "get_weather", "arguments": {"ratio": -2.5e3'
+     ', "tags": []}}', None, [("get_weather", {"ratio": -2500.0, "tags": []})]),
+    # granite4: hermes-like tags around each JSON object, text anywhere around them
+    ("granite4", 'Checking both.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": '
+     '"Paris"}}\n</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {}}\n'
+     "</tool_call>", "Checking both.", [_PARIS, _TIME]),
+    ("granite4", "Hello there.", "Hello there.", []),
+    ("granite4", '<tool_call>\n{"name": "get_weather", "arguments": {"q": "a </tool_call> b\\n'
+     '"}}\n</tool_call>\nDone.', "Done.", [("get_weather", {"q": "a </tool_call> b\n"})]),
+    ("granite4", '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa', None,
+     [("get_weather", {"city": "Pa"})]),
+    # ernie45: tagged JSON calls; <response> tags around the answer are not content
+    ("ernie45", 'Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": '
+     '"Paris"}}\n</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {}}\n'
+     "</tool_call>\n", "Let me look.", [_PARIS, _TIME]),
+    ("ernie45", "<response>It is sunny.</response>", "It is sunny.", []),
+    ("ernie45", '<tool_call>\n{"name": "get_weather", "arguments": {"where": {"lat": 1, '
+     '"lon": [2, 3]}}}\n</tool_call>', None,
+     [("get_weather", {"where": {"lat": 1, "lon": [2, 3]}})]),
+    # gigachat3: a "function call" message after <|message_sep|>, or <|function_call|> (3.1)
+    ("gigachat3", 'Let me check.<|message_sep|>\n\nfunction call<|role_sep|>\n{"name": '
+     '"get_weather", "arguments": {"city": "Paris"}}', "Let me check.", [_PARIS]),
+    ("gigachat3", 'One moment.<|function_call|>{"name": "get_weather", "arguments": {"city": '
+     '"Paris"}}</s>', "One moment.", [_PARIS]),
+    ("gigachat3", 'Two.<|function_call|>{"name": "get_weather", "arguments": {"city": '
+     '"Paris"}}<|function_call|>{"name": "get_time", "arguments": {}}', "Two.",
+     [_PARIS, _TIME]),
+    ("gigachat3", "Hello! How can I help?</s>", "Hello! How can I help?", []),
+    ("gigachat3", '<|function_call|>{"name": "get_weather", "arguments": {"note": "line\\n'
+     'two \\"q\\""}}', None, [("get_weather", {"note": 'line\ntwo "q"'})]),
+    # xlam: a JSON list, whole output or fenced
+    ("xlam", '[{"name": "get_weather", "arguments": {"city": "Paris"}}, {"name": "get_time", '
+     '"arguments": {}}]', None, [_PARIS, _TIME]),
+    ("xlam", 'Let me check.\n```json\n[{"name": "get_weather", "arguments": {"city": '
+     '"Paris"}}, {"name": "get_time", "arguments": {}}]\n```', "Let me check.",
+     [_PARIS, _TIME]),
+    ("xlam", "Use ```print(1)``` to print.", "Use ```print(1)``` to print.", []),
+    ("xlam", '<tool_call>[{"name": "get_weather", "arguments": {"days": 3}}]</tool_call>',
+     None, [("get_weather", {"days": 3})]),
+    ("xlam", "[1, 2] is a list.", "[1, 2] is a list.", []),
+    # cohere_command3: Command R7B / Command A
+    ("cohere_command3", '<|START_THINKING|>I will look up both.<|END_THINKING|>'
+     '<|START_ACTION|>[\n    {"tool_call_id": "0", "tool_name": "get_weather", "parameters": '
+     '{"city": "Paris"}},\n    {"tool_call_id": "1", "tool_name": "get_time", "parameters": '
+     "{}}\n]<|END_ACTION|>", None, [_PARIS, _TIME]),
+    ("cohere_command3", "Sure.<|START_ACTION|>[\n    {\"tool_call_id\": \"0\", \"tool_name\": "
+     "\"get_weather\", \"parameters\": {\"city\": \"Paris\"}}\n]<|END_ACTION|>", "Sure.",
+     [_PARIS]),
+    ("cohere_command3", "<|START_RESPONSE|>It is sunny.<|END_RESPONSE|>", "It is sunny.", []),
+    ("cohere_command3", '<|START_ACTION|>[{"tool_call_id": "0", "tool_name": "get_weather", '
+     '"parameters": {"where": {"lat": 1.5}, "tags": ["x\\ty"]', None,
+     [("get_weather", {"where": {"lat": 1.5}, "tags": ["x\ty"]})]),
+    # cohere_command4: Command A's newer templates (text markers too)
+    ("cohere_command4", "<|START_TEXT|>It is sunny.<|END_TEXT|>", "It is sunny.", []),
+    ("cohere_command4", "Plan first.<|START_ACTION|>[{\"tool_call_id\": \"0\", \"tool_name\": "
+     "\"get_weather\", \"parameters\": {\"city\": \"Paris\"}}, {\"tool_call_id\": \"1\", "
+     "\"tool_name\": \"get_time\", \"parameters\": {}}]<|END_ACTION|>", "Plan first.",
+     [_PARIS, _TIME]),
+]
