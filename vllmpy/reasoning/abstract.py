@@ -64,13 +64,20 @@ class ReasoningParser:
     at the start of the output (or opened by the prompt); once it ends, everything after
     it is content, with the whitespace right after the end marker dropped.
 
-    Subclasses set the markers and choose the first mode in ``initial_mode``.
+    Subclasses set the markers and choose the first mode in ``initial_mode``. The modes
+    are methods named ``_mode_<name>``; a family with its own grammar adds modes of its
+    own or overrides one (each returns True when the mode changed, so the loop steps
+    again, and False when it needs more text).
     """
 
     start: ClassVar[str] = "<think>"
     end: ClassVar[str] = "</think>"
     # markers that end the thinking block and stay in the content (a tool call, say)
     content_starts: ClassVar[tuple[str, ...]] = ()
+    # markers removed wherever they occur inside the thinking block
+    dropped_in_reasoning: ClassVar[tuple[str, ...]] = ()
+    # the mode "head" falls back to when the output does not open a thinking block
+    head_fallback: ClassVar[str] = "content"
     # the markers are special tokens in this family's vocabulary, so detokenizing must
     # keep special tokens for the parser to see them
     needs_special_tokens: ClassVar[bool] = False
@@ -103,33 +110,50 @@ class ReasoningParser:
 
     def _step(self, out: ReasoningDelta, final: bool) -> bool:
         """Consume what the current mode can; True when the mode changed (step again)."""
-        buf, mode = self._buf, self._mode
-        if mode in ("head", "reasoning_head"):
-            stripped = buf.lstrip()
-            if stripped.startswith(self.start):
-                self._buf = stripped[len(self.start):]
-                self._mode = "reasoning"
-                return True
-            if not final and (not stripped or self.start.startswith(stripped)):
-                return False  # still might be the start marker
-            self._mode = "content" if mode == "head" else "reasoning"
+        return getattr(self, f"_mode_{self._mode}")(out, final)
+
+    def _mode_head(self, out: ReasoningDelta, final: bool) -> bool:
+        return self._open_or(final, self.head_fallback)
+
+    def _mode_reasoning_head(self, out: ReasoningDelta, final: bool) -> bool:
+        return self._open_or(final, "reasoning")
+
+    def _open_or(self, final: bool, otherwise: str) -> bool:
+        """Enter "reasoning" past a leading start marker, else ``otherwise`` (the text
+        kept whole); False while the text may still be the start marker."""
+        stripped = self._buf.lstrip()
+        if stripped.startswith(self.start):
+            self._buf = stripped[len(self.start):]
+            self._mode = "reasoning"
             return True
-        if mode == "reasoning":
-            before, marker, after = split_at_marker(buf, (self.end, *self.content_starts))
-            if marker is None:
-                out.reasoning += before + (after if final else "")
-                self._buf = "" if final else after
-                return False
-            out.reasoning += before
-            self._buf = after if marker == self.end else marker + after
-            self._mode = "after"
-            return True
-        if mode == "after":
-            self._buf = buf.lstrip()
-            if self._buf:
-                self._mode = "content"
-                return True
+        if not final and (not stripped or self.start.startswith(stripped)):
+            return False  # still might be the start marker
+        self._mode = otherwise
+        return True
+
+    def _mode_reasoning(self, out: ReasoningDelta, final: bool) -> bool:
+        markers = (self.end, *self.content_starts, *self.dropped_in_reasoning)
+        before, marker, after = split_at_marker(self._buf, markers)
+        if marker is None:
+            out.reasoning += before + (after if final else "")
+            self._buf = "" if final else after
             return False
-        out.content += buf
+        out.reasoning += before
+        if marker in self.dropped_in_reasoning:
+            self._buf = after
+            return True
+        self._buf = after if marker == self.end else marker + after
+        self._mode = "after"
+        return True
+
+    def _mode_after(self, out: ReasoningDelta, final: bool) -> bool:
+        self._buf = self._buf.lstrip()
+        if self._buf:
+            self._mode = "content"
+            return True
+        return False
+
+    def _mode_content(self, out: ReasoningDelta, final: bool) -> bool:
+        out.content += self._buf
         self._buf = ""
         return False
