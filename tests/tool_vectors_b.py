@@ -100,4 +100,47 @@ VECTORS_B: list[tuple[str, str, str | None, list[tuple[str, object]]]] = [
      "\"get_weather\", \"parameters\": {\"city\": \"Paris\"}}, {\"tool_call_id\": \"1\", "
      "\"tool_name\": \"get_time\", \"parameters\": {}}]<|END_ACTION|>", "Plan first.",
      [_PARIS, _TIME]),
+    # dots: invoke elements in <dots_function_call>, values typed by the tool schema
+    ("dots", 'Let me check.\n<dots_function_call>\n<invoke name="get_weather">\n'
+     '<parameter name="city">Paris</parameter>\n</invoke>\n<invoke name="get_time">\n'
+     "</invoke>\n</dots_function_call>", "Let me check.", [_PARIS, _TIME]),
+    ("dots", "No call here.", "No call here.", []),
+    ("dots", '<dots_function_call>\n<invoke name="get_weather">\n<parameter name="days"> 3 '
+     '</parameter>\n<parameter name="metric">true</parameter>\n<parameter name="ratio">'
+     '0.5</parameter>\n<parameter name="tags">["a", "b"]</parameter>\n<parameter '
+     'name="city">null</parameter>\n<parameter name="note">42</parameter>\n</invoke>\n'
+     "</dots_function_call>", None,
+     [("get_weather", {"days": 3, "metric": True, "ratio": 0.5, "tags": ["a", "b"],
+                       "city": None, "note": "42"})]),
+    ("dots", '<dots_function_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
+     "</dots_function_call>\nDone.", "Done.", [_PARIS]),
+    ("dots", '<dots_function_call>\n<invoke name="get_weather">\n<parameter name="city">'
+     "Pa", None, [("get_weather", {"city": "Pa"})]),
+    ("dots", "<dots_function_call>nothing</dots_function_call> then",
+     "<dots_function_call>nothing</dots_function_call> then", []),
+    # minicpm5: <function name=...><param name=...>, CDATA and entities
+    ("minicpm5", 'Let me check.\n<function name="get_weather"><param name="city">Paris</param>'
+     '</function>\n<function name="get_time"></function>', "Let me check.", [_PARIS, _TIME]),
+    ("minicpm5", "Plain answer.", "Plain answer.", []),
+    ("minicpm5", '<function name="get_weather"><param name="city"><![CDATA[a < b & c\nd]]>'
+     '</param><param name="days">3</param><param name="where">{\'lat\': 1.5}</param>'
+     '<param name="note">Tom &amp; Jerry &lt;3</param></function>', None,
+     [("get_weather", {"city": "a < b & c\nd", "days": 3, "where": {"lat": 1.5},
+                       "note": "Tom & Jerry <3"})]),
+    ("minicpm5", '<function name="get_weather"><param name="days">4', None,
+     [("get_weather", {"days": 4})]),
+    # poolside_v1: <tool_call>NAME then <arg_key>/<arg_value> pairs
+    ("poolside_v1", "Let me check.<tool_call>get_weather\n<arg_key>city</arg_key>\n"
+     "<arg_value>Paris</arg_value>\n</tool_call><tool_call>get_time\n</tool_call>",
+     "Let me check.", [_PARIS, _TIME]),
+    ("poolside_v1", "Just text.", "Just text.", []),
+    ("poolside_v1", "<tool_call>get_weather<arg_key>city</arg_key><arg_value>  two words\n"
+     "</arg_value><arg_key>days</arg_key><arg_value>3</arg_value><arg_key>tags</arg_key>"
+     "<arg_value>['a', None]</arg_value><arg_key>where</arg_key><arg_value>{\"lat\": 1}"
+     "</arg_value><arg_key>note</arg_key><arg_value>not json</arg_value></tool_call>", None,
+     [("get_weather", {"city": "  two words\n", "days": 3, "tags": ["a", None],
+                       "where": {"lat": 1}, "note": "not json"})]),
+    ("poolside_v1", "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Par", None,
+     [("get_weather", {"city": "Par"})]),
+    ("poolside_v1", "a <tool_call> <b> c", "a <tool_call> <b> c", []),
 ]
