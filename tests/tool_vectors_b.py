@@ -143,4 +143,26 @@ VECTORS_B: list[tuple[str, str, str | None, list[tuple[str, object]]]] = [
     ("poolside_v1", "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Par", None,
      [("get_weather", {"city": "Par"})]),
     ("poolside_v1", "a <tool_call> <b> c", "a <tool_call> <b> c", []),
+    # lfm2: a Python list between <|tool_call_start|> and <|tool_call_end|>
+    ("lfm2", 'Let me check.<|tool_call_start|>[get_weather(city="Paris"), get_time()]'
+     "<|tool_call_end|>The weather is sunny.", "Let me check.The weather is sunny.",
+     [_PARIS, _TIME]),
+    ("lfm2", "It is sunny.", "It is sunny.", []),
+    ("lfm2", "<|tool_call_start|>[get_weather(city='it\\'s (x) [y]', days=-3, metric=true, "
+     "tags=('a', None), where={'lat': 1.5})]<|tool_call_end|>", None,
+     [("get_weather", {"city": "it's (x) [y]", "days": -3, "metric": True,
+                       "tags": ["a", None], "where": {"lat": 1.5}})]),
+    ("lfm2", '<|tool_call_start|>[get_weather(city="Par', None, [("get_weather", {"city": "Par"})]),
+    ("lfm2", "<|tool_call_start|>[1, 2]<|tool_call_end|>", "<|tool_call_start|>[1, 2]"
+     "<|tool_call_end|>", []),
+    # olmo3: one Python call per line inside <function_calls>
+    ("olmo3", 'Checking.\n<function_calls>\nget_weather(city="Paris")\nget_time()\n'
+     "</function_calls>", "Checking.", [_PARIS, _TIME]),
+    ("olmo3", "No calls.", "No calls.", []),
+    ("olmo3", '<function_calls>\nget_weather(city="a\\"b", metric=false, ratio=null, '
+     'tags=["x", {"k": [1, 2]}])\n</function_calls>', None,
+     [("get_weather", {"city": 'a"b', "metric": False, "ratio": None,
+                       "tags": ["x", {"k": [1, 2]}]})]),
+    ("olmo3", "<function_calls>\nget_weather(city=\"Oslo\", tags=[1, 2", None,
+     [("get_weather", {"city": "Oslo", "tags": [1, 2]})]),
 ]
