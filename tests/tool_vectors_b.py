@@ -9,6 +9,17 @@ from __future__ import annotations
 _PARIS = ("get_weather", {"city": "Paris"})
 _TIME = ("get_time", {})
 
+# PLaMo 3's markers
+_P_REQS, _P_REQS_END = "<|plamo:begin_tool_requests:plamo|>", "<|plamo:end_tool_requests:plamo|>"
+_P_REQ, _P_REQ_END = "<|plamo:begin_tool_request:plamo|>", "<|plamo:end_tool_request:plamo|>"
+_P_NAME, _P_NAME_END = "<|plamo:begin_tool_name:plamo|>", "<|plamo:end_tool_name:plamo|>"
+_P_ARGS = "<|plamo:begin_tool_arguments:plamo|><|plamo:constrain|>json<|plamo:msg|>"
+_P_ARGS_END = "<|plamo:end_tool_arguments:plamo|>"
+
+
+def _plamo(name: str, args: str) -> str:
+    return _P_REQ + _P_NAME + name + _P_NAME_END + _P_ARGS + args + _P_ARGS_END + _P_REQ_END
+
 VECTORS_B: list[tuple[str, str, str | None, list[tuple[str, object]]]] = [
     # jamba: one JSON array between <tool_calls> tags
     ("jamba", 'Let me check.<tool_calls>[{"name": "get_weather", "arguments": {"city": '
@@ -165,4 +176,26 @@ VECTORS_B: list[tuple[str, str, str | None, list[tuple[str, object]]]] = [
                        "tags": ["x", {"k": [1, 2]}]})]),
     ("olmo3", "<function_calls>\nget_weather(city=\"Oslo\", tags=[1, 2", None,
      [("get_weather", {"city": "Oslo", "tags": [1, 2]})]),
+    # plamo3: marked requests, a name and a JSON arguments object each
+    ("plamo3", "Let me check." + _P_REQS + _plamo("get_weather", '{"city": "Paris"}')
+     + _plamo("get_time", "{}") + _P_REQS_END + "<|plamo:tag|>", "Let me check.",
+     [_PARIS, _TIME]),
+    ("plamo3", "It is sunny.<|plamo:tag|>", "It is sunny.", []),
+    ("plamo3", _P_REQS + _plamo("get_weather", '{"where": {"lat": 1.5}, "q": "\\u00e9\\n"}')
+     + _P_REQS_END + "Done.", "Done.", [("get_weather", {"where": {"lat": 1.5}, "q": "é\n"})]),
+    ("plamo3", _P_REQS + _P_REQ + _P_NAME + "get_weather" + _P_NAME_END + _P_ARGS
+     + '{"city": "Pa', None, [("get_weather", {"city": "Pa"})]),
+    # inkling: typed blocks; the output starts in the header of a message the prompt opened
+    ("inkling", "<|content_thinking|>Two lookups.<|end_message|><|message_model|>"
+     "<|content_text|>Let me check.<|end_message|><|message_model|>"
+     '<|content_invoke_tool_json|>{"name": "get_weather", "args": {"city": "Paris"}}'
+     "<|end_message|><|message_model|><|content_invoke_tool_json|>"
+     '{"name": "get_time", "args": {}}<|end_message|>', "Let me check.", [_PARIS, _TIME]),
+    ("inkling", "<|content_text|>It is sunny.<|end_message|>", "It is sunny.", []),
+    ("inkling", "get_weather<|content_invoke_tool_json|>{\"name\": \"get_weather\", "
+     '"args": {"tags": ["a", {"b": null}], "days": 2}}<|content_model_end_sampling|>', None,
+     [("get_weather", {"tags": ["a", {"b": None}], "days": 2})]),
+    ("inkling", '<|content_invoke_tool_json|>{"name": "get_weather", "args": {"city": "Os',
+     None, [("get_weather", {"city": "Os"})]),
+    ("inkling", "Plain text with no block.", "Plain text with no block.", []),
 ]
