@@ -198,4 +198,28 @@ VECTORS_B: list[tuple[str, str, str | None, list[tuple[str, object]]]] = [
     ("inkling", '<|content_invoke_tool_json|>{"name": "get_weather", "args": {"city": "Os',
      None, [("get_weather", {"city": "Os"})]),
     ("inkling", "Plain text with no block.", "Plain text with no block.", []),
+    # gemma4: <|tool_call>call:NAME{key:value,...}<tool_call|>, strings between <|"|>
+    ("gemma4", 'Let me check.<|tool_call>call:get_weather{city:<|"|>Paris<|"|>}<tool_call|>'
+     "<|tool_call>call:get_time{}<tool_call|>", "Let me check.", [_PARIS, _TIME]),
+    ("gemma4", "I will recall: nothing{} here.", "I will recall: nothing{} here.", []),
+    ("gemma4", '<|tool_call>call:get_weather{days:3,metric:true,ratio:-0.5,tags:[<|"|>a, b'
+     '<|"|>,null],where:{<|"|>lat<|"|>:1.5,name:<|"|>say "hi"\n<|"|>}}<turn|>', None,
+     [("get_weather", {"days": 3, "metric": True, "ratio": -0.5, "tags": ["a, b", None],
+                       "where": {"lat": 1.5, "name": 'say "hi"\n'}})]),
+    ("gemma4", "Checking. call:get_weather{city:Paris} call:get_time{}", "Checking.",
+     [_PARIS, _TIME]),
+    ("gemma4", '<|tool_call>call:get_weather{city:<|"|>Par', None,
+     [("get_weather", {"city": "Par"})]),
+    ("gemma4", "<|tool_call>not a call", "<|tool_call>not a call", []),
+    # functiongemma: the same arguments between <start_function_call> markers, <escape>
+    ("functiongemma", "Sure.<start_function_call>call:get_weather{city:<escape>Paris<escape>}"
+     "<end_function_call><start_function_call>call:get_time{}<end_function_call>", "Sure.",
+     [_PARIS, _TIME]),
+    ("functiongemma", "call:get_weather{city:Paris} is only text here.",
+     "call:get_weather{city:Paris} is only text here.", []),
+    ("functiongemma", "<start_function_call>call:get_weather{days:2,tags:[<escape>x{y}<escape>]"
+     ",where:{a:{b:false}}}<end_function_call>", None,
+     [("get_weather", {"days": 2, "tags": ["x{y}"], "where": {"a": {"b": False}}})]),
+    ("functiongemma", "<start_function_call>call:get_weather{days:1", None,
+     [("get_weather", {"days": 1})]),
 ]
