@@ -31,6 +31,8 @@ from vllmpy.entrypoints.openai.tool_parsers.forced import (
 from vllmpy.entrypoints.openai.tool_parsers.json_stream import JsonValueWriter, canonical_json
 
 
+M3 = "]<]minimax[>["  # MiniMax-M3's tag marker
+
 # (parser, model text, expected content, expected [(name, arguments as a JSON value)])
 VECTORS = [
     # hermes: Hermes 2 Pro / Qwen2.5 / Qwen3
@@ -107,6 +109,237 @@ VECTORS = [
     ("internlm", "I will check.<|action_start|><|plugin|>\n{\"name\": \"get_weather\", "
      '"parameters": {"city": "Paris"}}<|action_end|>', "I will check.",
      [("get_weather", {"city": "Paris"})]),
+    # deepseek_v31: V3.1's bare form only (a function may be named "function")
+    ("deepseek_v31", "Let me check.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>"
+     '{"city": "Paris", "days": 3}<｜tool▁call▁end｜><｜tool▁call▁begin｜>get_time<｜tool▁sep｜>{}'
+     "<｜tool▁call▁end｜><｜tool▁calls▁end｜>",
+     "Let me check.", [("get_weather", {"city": "Paris", "days": 3}), ("get_time", {})]),
+    ("deepseek_v31", "Paris is sunny.", "Paris is sunny.", []),
+    ("deepseek_v31", "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>"
+     '{"q": "a \\"b\\" ü", "n": {"m": [1, {"k": null}]}}<｜tool▁call▁end｜><｜tool▁calls▁end｜>',
+     None, [("function", {"q": 'a "b" ü', "n": {"m": [1, {"k": None}]}})]),
+    ("deepseek_v31", "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>"
+     '{"city": "Pa', None, [("get_weather", {"city": "Pa"})]),
+    # deepseek_v32: DSML in a function_calls section; string="true|false" types a value
+    ("deepseek_v32", 'Let me check.\n\n<｜DSML｜function_calls>\n<｜DSML｜invoke name="get_weather">\n'
+     '<｜DSML｜parameter name="city" string="true">San Francisco</｜DSML｜parameter>\n'
+     '<｜DSML｜parameter name="days" string="false">3</｜DSML｜parameter>\n</｜DSML｜invoke>\n'
+     '<｜DSML｜invoke name="get_time">\n</｜DSML｜invoke>\n</｜DSML｜function_calls>',
+     "Let me check.", [("get_weather", {"city": "San Francisco", "days": 3}), ("get_time", {})]),
+    ("deepseek_v32", "No call here.", "No call here.", []),
+    ("deepseek_v32", '<｜DSML｜function_calls>\n<｜DSML｜invoke name="get_weather">\n'
+     '<｜DSML｜parameter name="days" string="true">3</｜DSML｜parameter>\n'
+     '<｜DSML｜parameter name="where" string="false">{"lat": 1.5}</｜DSML｜parameter>\n'
+     '<｜DSML｜parameter name="metric" string="false">true</｜DSML｜parameter>\n'
+     '<｜DSML｜parameter name="tags">["a", "b"]</｜DSML｜parameter>\n'
+     '<｜DSML｜parameter name="ratio" string="false">about half</｜DSML｜parameter>\n'
+     '<｜DSML｜parameter name="city" string="true">say "hi"\n\\path <b></｜DSML｜parameter>\n'
+     "</｜DSML｜invoke>\n</｜DSML｜function_calls>\nDone.",
+     None, [("get_weather", {"days": "3", "where": {"lat": 1.5}, "metric": True,
+                             "tags": ["a", "b"], "ratio": "about half",
+                             "city": 'say "hi"\n\\path <b>'})]),
+    ("deepseek_v32", '<｜DSML｜function_calls>\n<｜DSML｜invoke name="get_weather">\n'
+     '<｜DSML｜parameter name="city" string="true">Par', None,
+     [("get_weather", {"city": "Par"})]),
+    ("deepseek_v32", '<｜DSML｜function_calls><｜DSML｜invoke name="get_weather">'
+     '<｜DSML｜parameter name="tags" string="false">[1, 2', None,
+     [("get_weather", {"tags": "[1, 2"})]),
+    # deepseek_v4: DSML in a tool_calls section; an invoke outside it is a call too
+    ("deepseek_v4", 'Checking both.\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name="get_weather">\n'
+     '<｜DSML｜parameter name="city" string="true">杭州</｜DSML｜parameter>\n</｜DSML｜invoke>\n'
+     '<｜DSML｜invoke name="get_time">\n</｜DSML｜invoke>\n</｜DSML｜tool_calls>',
+     "Checking both.", [("get_weather", {"city": "杭州"}), ("get_time", {})]),
+    ("deepseek_v4", "The answer is 42.", "The answer is 42.", []),
+    ("deepseek_v4", 'Sure. <｜DSML｜invoke name="get_time">\n</｜DSML｜invoke>\nignored', "Sure.",
+     [("get_time", {})]),
+    ("deepseek_v4", '<｜DSML｜toolcalls>\n<｜DSML｜invoke name="get_weather">\n<｜DSML｜parameter '
+     'name="days" string="false">2</｜DSML｜parameter>\n</｜DSML｜invoke>\n</｜DSML｜tool_calls>',
+     None, [("get_weather", {"days": 2})]),
+    # deepseek_v41: DSML with a space after the marker, in a "calls" section
+    ("deepseek_v41", 'On it.\n\n<｜DSML｜ calls>\n<｜DSML｜ invoke name="get_weather">\n'
+     '<｜DSML｜ parameter name="city" string="true">Oslo</｜DSML｜ parameter>\n'
+     '<｜DSML｜ parameter name="days" string="false">5</｜DSML｜ parameter>\n</｜DSML｜ invoke>\n'
+     '<｜DSML｜ invoke name="get_time">\n</｜DSML｜ invoke>\n</｜DSML｜ calls>',
+     "On it.", [("get_weather", {"city": "Oslo", "days": 5}), ("get_time", {})]),
+    ("deepseek_v41", "Nothing to call.", "Nothing to call.", []),
+    # kimi_k2: a section of calls headed functions.<name>:<n>
+    ("kimi_k2", "I'll check.<|tool_calls_section_begin|>\n<|tool_call_begin|>functions.get_weather:0"
+     '<|tool_call_argument_begin|>{"city": "Paris"}<|tool_call_end|>\n<|tool_call_begin|>'
+     "functions.get_time:1<|tool_call_argument_begin|>{}<|tool_call_end|>\n"
+     "<|tool_calls_section_end|>",
+     "I'll check.", [("get_weather", {"city": "Paris"}), ("get_time", {})]),
+    ("kimi_k2", "Hello! How can I help?", "Hello! How can I help?", []),
+    ("kimi_k2", "<|tool_calls_section_begin|><|tool_call_begin|>get_weather<|tool_call_argument_begin|>"
+     '{"city": "x"}<|tool_call_end|><|tool_call_begin|>functions.my.tool:3'
+     '<|tool_call_argument_begin|>{"where": {"lat": 1.5, "tags": ["a"]}, "q": "line\\nnext '
+     '\\u00e9"}<|tool_call_end|><|tool_calls_section_end|>Done.',
+     None, [("my.tool", {"where": {"lat": 1.5, "tags": ["a"]}, "q": "line\nnext é"})]),
+    ("kimi_k2", "<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0"
+     '<|tool_call_argument_begin|>{"city": "Pa', None, [("get_weather", {"city": "Pa"})]),
+    # kimi_k3: XTML response and tools channels
+    ("kimi_k3", "Let me check.<|close|>response<|sep|><|open|>tools<|sep|><|open|>call "
+     'tool="get_weather" index="1"<|sep|><|open|>argument key="city" type="string"<|sep|>San '
+     'Francisco<|close|>argument<|sep|><|open|>argument key="days" type="number"<|sep|>3'
+     '<|close|>argument<|sep|><|close|>call<|sep|><|open|>call tool="get_time" index="2"<|sep|>'
+     "<|close|>call<|sep|><|close|>tools<|sep|><|close|>message<|sep|>",
+     "Let me check.", [("get_weather", {"city": "San Francisco", "days": 3}), ("get_time", {})]),
+    ("kimi_k3", "<|open|>response<|sep|>Hello there.<|close|>response<|sep|><|close|>message<|sep|>",
+     "Hello there.", []),
+    ("kimi_k3", '<|close|>response<|sep|><|open|>tools<|sep|><|open|>call tool="get_weather" '
+     'index="1"<|sep|><|open|>argument key="say &quot;hi&quot;" type="string"<|sep|>a "b"\n'
+     '<c> \\d<|close|>argument<|sep|><|open|>argument key="where" type="object"<|sep|>{"lat":'
+     ' 1}<|close|>argument<|sep|><|open|>argument key="tags" type="array"<|sep|>[1, "x"]'
+     '<|close|>argument<|sep|><|open|>argument key="metric" type="boolean"<|sep|>false'
+     '<|close|>argument<|sep|><|open|>argument key="ratio" type="number"<|sep|>not a number'
+     "<|close|>argument<|sep|><|close|>call<|sep|><|close|>tools<|sep|>",
+     None, [("get_weather", {'say "hi"': 'a "b"\n<c> \\d', "where": {"lat": 1},
+                             "tags": [1, "x"], "metric": False, "ratio": "not a number"})]),
+    ("kimi_k3", '<|open|>tools<|sep|><|open|>call tool="get_weather" index="1"<|sep|><|open|>json '
+     'type="object"<|sep|>{"city": "Rome", "days": 2}<|close|>json<|sep|><|close|>call<|sep|>'
+     "<|close|>tools<|sep|>", None, [("get_weather", {"city": "Rome", "days": 2})]),
+    ("kimi_k3", '<|open|>tools<|sep|><|open|>call tool="get_weather" index="1"<|sep|><|open|>'
+     'argument key="city" type="string"<|sep|>Ber', None, [("get_weather", {"city": "Ber"})]),
+    # k2_horizon: IFM calls as xml, xml_typed or json
+    ("k2_horizon", "Checking.<ifm|tool_calls><ifm|tool_call>get_weather<ifm|arg_key>city"
+     "</ifm|arg_key><ifm|arg_value>Paris</ifm|arg_value><ifm|arg_key>days</ifm|arg_key>"
+     "<ifm|arg_value>3</ifm|arg_value></ifm|tool_call><ifm|tool_call>get_time</ifm|tool_call>"
+     "</ifm|tool_calls>",
+     "Checking.", [("get_weather", {"city": "Paris", "days": 3}), ("get_time", {})]),
+    ("k2_horizon", "Just text.", "Just text.", []),
+    ("k2_horizon", "<ifm|tool_calls><ifm|tool_call>get_weather<ifm|arg_key>days</ifm|arg_key>"
+     "<ifm|arg_type>integer</ifm|arg_type><ifm|arg_value>4</ifm|arg_value><ifm|arg_key>extra"
+     '</ifm|arg_key><ifm|arg_type>array[string]</ifm|arg_type><ifm|arg_value>["x", "y"]'
+     "</ifm|arg_value><ifm|arg_key>note</ifm|arg_key><ifm|arg_type>any</ifm|arg_type>"
+     "<ifm|arg_value>42</ifm|arg_value></ifm|tool_call></ifm|tool_calls>",
+     None, [("get_weather", {"days": 4, "extra": ["x", "y"], "note": "42"})]),
+    ("k2_horizon", '<ifm|tool_calls><ifm|tool_call>{"name": "get_weather", "arguments": {"city": '
+     '"Lima"}}</ifm|tool_call></ifm|tool_calls> Anything else?', "Anything else?",
+     [("get_weather", {"city": "Lima"})]),
+    ("k2_horizon", "<ifm|tool_calls><ifm|tool_call>get_weather<ifm|arg_key>city</ifm|arg_key>"
+     "<ifm|arg_value>Li", None, [("get_weather", {"city": "Li"})]),
+    # glm45 / glm47 / ling3: key / value pairs after the name
+    ("glm45", "Let me check.\n<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris"
+     "</arg_value>\n<arg_key>days</arg_key>\n<arg_value>3</arg_value>\n</tool_call>\n<tool_call>"
+     "get_time\n</tool_call>",
+     "Let me check.", [("get_weather", {"city": "Paris", "days": 3}), ("get_time", {})]),
+    ("glm45", "It is 21 °C in Paris.", "It is 21 °C in Paris.", []),
+    ("glm45", "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value> New York, a < b "
+     "</arg_value>\n<arg_key>metric</arg_key>\n<arg_value>true</arg_value>\n<arg_key>ratio"
+     "</arg_key>\n<arg_value>0.5</arg_value>\n<arg_key>tags</arg_key>\n<arg_value>"
+     '["a", "b"]</arg_value>\n<arg_key>where</arg_key>\n<arg_value>{"lat": 1.5}</arg_value>\n'
+     "<arg_key>x</arg_key>\n<arg_value>5</arg_value>\n</tool_call>",
+     None, [("get_weather", {"city": " New York, a < b ", "metric": True, "ratio": 0.5,
+                             "tags": ["a", "b"], "where": {"lat": 1.5}, "x": "5"})]),
+    ("glm45", "x <tool_call> is markup", "x <tool_call> is markup", []),
+    ("glm47", "Sure.<tool_call>get_weather<arg_key>city</arg_key><arg_value>Paris</arg_value>"
+     "</tool_call><tool_call>get_time</tool_call>",
+     "Sure.", [("get_weather", {"city": "Paris"}), ("get_time", {})]),
+    ("glm47", "<tool_call>get_weather<arg_key>city</arg_key><arg_value>Par", None,
+     [("get_weather", {"city": "Par"})]),
+    ("ling3", "I will look it up.\n<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>"
+     "Oslo</arg_value>\n</tool_call>", "I will look it up.", [("get_weather", {"city": "Oslo"})]),
+    # minimax_m2: invoke elements with parameter children
+    ("minimax_m2", 'Let me check.\n<minimax:tool_call>\n<invoke name="get_weather">\n<parameter '
+     'name="city">Paris</parameter>\n<parameter name="days">3</parameter>\n</invoke>\n<invoke '
+     'name="get_time">\n</invoke>\n</minimax:tool_call>',
+     "Let me check.", [("get_weather", {"city": "Paris", "days": 3}), ("get_time", {})]),
+    ("minimax_m2", "Nothing to do.", "Nothing to do.", []),
+    ("minimax_m2", "<minimax:tool_call><invoke name='get_weather'><parameter name='metric'>false"
+     '</parameter><parameter name=tags>["a"]</parameter><parameter name="where">{"lat": -1}'
+     "</parameter></invoke></minimax:tool_call> Done.",
+     "Done.", [("get_weather", {"metric": False, "tags": ["a"], "where": {"lat": -1}})]),
+    ("minimax_m2", '<minimax:tool_call><invoke name="get_weather"><parameter name="city"> Rome'
+     '<parameter name="days">2</parameter></invoke></minimax:tool_call>', None,
+     [("get_weather", {"city": " Rome", "days": 2})]),
+    ("minimax_m2", '<minimax:tool_call>\n<invoke name="get_weather">\n<parameter name="city">Ro',
+     None, [("get_weather", {"city": "Ro"})]),
+    # minimax_m3: namespaced elements, nested
+    ("minimax_m3", f'Checking.\n{M3}<tool_call>\n{M3}<invoke name="get_weather">{M3}<city>Paris'
+     f'{M3}</city>{M3}<days>3{M3}</days>{M3}</invoke>\n{M3}<invoke name="get_time">{M3}'
+     f"</invoke>\n{M3}</tool_call>",
+     "Checking.", [("get_weather", {"city": "Paris", "days": 3}), ("get_time", {})]),
+    ("minimax_m3", "Plain answer.", "Plain answer.", []),
+    ("minimax_m3", f'{M3}<tool_call>{M3}<invoke name="get_weather">{M3}<tags>{M3}<item>a{M3}'
+     f"</item>{M3}<item>b{M3}</item>{M3}</tags>{M3}<where>{M3}<lat>1.5{M3}</lat>{M3}<k>1{M3}"
+     f"</k>{M3}<k>2{M3}</k>{M3}</where>{M3}<metric>true{M3}</metric>{M3}</invoke>{M3}"
+     "</tool_call> trailing text",
+     None, [("get_weather", {"tags": ["a", "b"], "where": {"lat": "1.5", "k": ["1", "2"]},
+                             "metric": True})]),
+    ("minimax_m3", f'{M3}<tool_call>{M3}<invoke name="get_weather">{M3}<city>Oslo{M3}</city>{M3}'
+     "<days>4", None, [("get_weather", {"city": "Oslo"})]),
+    # mimo: Qwen3 XML with values kept verbatim
+    ("mimo", "Sure.\n<tool_call>\n<function=get_weather>\n<parameter=city>Paris</parameter>\n"
+     "<parameter=days>3</parameter>\n</function>\n</tool_call>\n<tool_call>\n<function=get_time>"
+     "\n</function>\n</tool_call>",
+     "Sure.", [("get_weather", {"city": "Paris", "days": 3}), ("get_time", {})]),
+    ("mimo", "<tool_call>\n<function=get_weather>\n<parameter=city>\nLima\n</parameter>\n"
+     "</function>\n</tool_call>", None, [("get_weather", {"city": "\nLima\n"})]),
+    ("mimo", "Nothing to call.", "Nothing to call.", []),
+    # seed_oss: Qwen3 XML between <seed:tool_call> tags, Python literals for non-strings
+    ("seed_oss", "Let me check.\n<seed:tool_call>\n<function=get_weather>\n<parameter=city>Paris"
+     "</parameter>\n<parameter=metric>True</parameter>\n<parameter=tags>['a', 'b']</parameter>\n"
+     "</function>\n</seed:tool_call>\n<seed:tool_call>\n<function=get_time>\n</function>\n"
+     "</seed:tool_call>",
+     "Let me check.", [("get_weather", {"city": "Paris", "metric": True, "tags": ["a", "b"]}),
+                       ("get_time", {})]),
+    ("seed_oss", "Use <tool_call> tags.", "Use <tool_call> tags.", []),
+    ("seed_oss", "<seed:tool_call>\n<function=get_weather>\n<parameter=days>7", None,
+     [("get_weather", {"days": 7})]),
+    # step3: steptml invokes inside DeepSeek-like markers, values stripped
+    ("step3", "Let me check.<｜tool_calls_begin｜><｜tool_call_begin｜>function<｜tool_sep｜>"
+     '<steptml:invoke name="get_weather"><steptml:parameter name="city">Paris'
+     '</steptml:parameter><steptml:parameter name="days">3</steptml:parameter></steptml:invoke>'
+     "<｜tool_call_end｜><｜tool_call_begin｜>function<｜tool_sep｜><steptml:invoke name="
+     '"get_time"></steptml:invoke><｜tool_call_end｜><｜tool_calls_end｜>',
+     "Let me check.", [("get_weather", {"city": "Paris", "days": 3}), ("get_time", {})]),
+    ("step3", "No tools today.", "No tools today.", []),
+    ("step3", "<｜tool_calls_begin｜><｜tool_call_begin｜>function<｜tool_sep｜><steptml:invoke "
+     'name="get_weather">\n<steptml:parameter name="city">  Rome \n</steptml:parameter>\n'
+     '<steptml:parameter name="ratio"> 0.5 </steptml:parameter>\n</steptml:invoke>'
+     "<｜tool_call_end｜><｜tool_calls_end｜> Done.",
+     "Done.", [("get_weather", {"city": "Rome", "ratio": 0.5})]),
+    # qwen3_xml, step3p5 and qwen3_json: qwen3_coder's and hermes' formats under other names
+    ("qwen3_xml", "<tool_call>\n<function=get_time>\n</function>\n</tool_call>", None,
+     [("get_time", {})]),
+    ("step3p5", "<tool_call>\n<function=get_weather>\n<parameter=days>\n2\n</parameter>\n"
+     "</function>\n</tool_call>", None, [("get_weather", {"days": 2})]),
+    ("qwen3_json", '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>', None,
+     [("get_time", {})]),
+    # longcat: hermes JSON between <longcat_tool_call> tags
+    ("longcat", 'Checking.\n<longcat_tool_call>\n{"name": "get_weather", "arguments": {"city": '
+     '"Paris"}}\n</longcat_tool_call>\n<longcat_tool_call>\n{"name": "get_time", "arguments": '
+     "{}}\n</longcat_tool_call>",
+     "Checking.", [("get_weather", {"city": "Paris"}), ("get_time", {})]),
+    ("longcat", "All done.", "All done.", []),
+    ("longcat", '<longcat_tool_call>{"name": "get_weather", "arguments": {"tags": ["a", ', None,
+     [("get_weather", {"tags": ["a"]})]),
+    # hunyuan_a13b: one JSON array between <tool_calls> tags
+    ("hunyuan_a13b", 'Let me check.<tool_calls>[{"name": "get_weather", "arguments": {"city": '
+     '"Paris"}}, {"name": "get_time", "arguments": {}}]</tool_calls>',
+     "Let me check.", [("get_weather", {"city": "Paris"}), ("get_time", {})]),
+    ("hunyuan_a13b", "助手：Hello!", "Hello!", []),
+    ("hunyuan_a13b", "Hello, 助手：", "Hello, 助手：", []),
+    ("hunyuan_a13b", '<tool_calls>[{"name": "get_weather", "arguments": {"days": 1', None,
+     [("get_weather", {"days": 1})]),
+    # hy_v3 / hy_v4: key / value calls, every marker with the checkpoint's suffix
+    ("hy_v3", "Let me check.<tool_calls:opensource>\n<tool_call:opensource>get_weather"
+     "<tool_sep:opensource>\n<arg_key:opensource>city</arg_key:opensource>\n"
+     "<arg_value:opensource>Paris</arg_value:opensource>\n<arg_key:opensource>days"
+     "</arg_key:opensource>\n<arg_value:opensource>3</arg_value:opensource>\n"
+     "</tool_call:opensource>\n<tool_call:opensource>get_time<tool_sep:opensource>\n"
+     "</tool_call:opensource>\n</tool_calls:opensource>",
+     "Let me check.", [("get_weather", {"city": "Paris", "days": 3}), ("get_time", {})]),
+    ("hy_v3", "x <tool_calls here> y", "x <tool_calls here> y", []),
+    ("hy_v3", "<tool_calls><tool_call>get_weather<tool_sep><arg_key>where</arg_key><arg_value>"
+     '{"lat": 1}</arg_value></tool_call></tool_calls>', None,
+     [("get_weather", {"where": {"lat": 1}})]),
+    ("hy_v4", "On it.<tool_calls:6124c78e><tool_call:6124c78e>get_weather<arg_key:6124c78e>city"
+     "</arg_key:6124c78e><arg_value:6124c78e>Paris</arg_value:6124c78e></tool_call:6124c78e>"
+     "<tool_call:6124c78e>get_time</tool_call:6124c78e></tool_calls:6124c78e>dropped",
+     "On it.", [("get_weather", {"city": "Paris"}), ("get_time", {})]),
+    ("hy_v4", "Plain reply.", "Plain reply.", []),
+    ("hy_v4", "<tool_calls><tool_call>get_weather<arg_key>days</arg_key><arg_value>1", None,
+     [("get_weather", {"days": 1})]),
 ]
 
 
@@ -300,7 +533,8 @@ def test_auto_tool_choice_stays_inert_with_its_notice(capsys):
     ("<|start_of_role|>available_tools<|end_of_role|> <|tool_call|>", "granite"),
     ("<|action_start|><|plugin|>", "internlm"),
     ("[func_name1(params_name1=params_value1, ...)]", "pythonic"),
-    ("{{- '<|python_tag|>' + tool_call.name }}", "llama3_json"),
+    ("Respond in the format {\"name\": function name, \"parameters\": dictionary of argument "
+     "name and its value}.", "llama3_json"),
     ("{{ messages }}", None),
 ])
 def test_auto_detection_from_the_chat_template(template, expected, capsys):

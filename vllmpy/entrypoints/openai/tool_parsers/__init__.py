@@ -29,6 +29,28 @@ TOOL_PARSERS: dict[str, str] = {
     "granite": f"{_PKG}.granite:GraniteToolParser",
     "internlm": f"{_PKG}.internlm:InternLMToolParser",
     # -- group A --
+    "deepseek_v31": f"{_PKG}.deepseek_v3:DeepSeekV31ToolParser",
+    "deepseek_v32": f"{_PKG}.dsml:DeepSeekV32ToolParser",
+    "deepseek_v4": f"{_PKG}.dsml:DeepSeekV4ToolParser",
+    "deepseek_v41": f"{_PKG}.dsml:DeepSeekV41ToolParser",
+    "kimi_k2": f"{_PKG}.kimi_k2:KimiK2ToolParser",
+    "kimi_k3": f"{_PKG}.kimi_k3:KimiK3ToolParser",
+    "k2_horizon": f"{_PKG}.k2_horizon:K2HorizonToolParser",
+    "glm45": f"{_PKG}.glm4:Glm4ToolParser",
+    "glm47": f"{_PKG}.glm4:Glm4ToolParser",
+    "ling3": f"{_PKG}.glm4:Glm4ToolParser",
+    "minimax_m2": f"{_PKG}.minimax_m2:MiniMaxM2ToolParser",
+    "minimax_m3": f"{_PKG}.minimax_m3:MiniMaxM3ToolParser",
+    "mimo": f"{_PKG}.mimo:MiMoToolParser",
+    "qwen3_json": f"{_PKG}.hermes:HermesToolParser",
+    "qwen3_xml": f"{_PKG}.qwen3_coder:Qwen3CoderToolParser",
+    "seed_oss": f"{_PKG}.seed_oss:SeedOssToolParser",
+    "step3": f"{_PKG}.step3:Step3ToolParser",
+    "step3p5": f"{_PKG}.qwen3_coder:Qwen3CoderToolParser",
+    "longcat": f"{_PKG}.longcat:LongcatToolParser",
+    "hunyuan_a13b": f"{_PKG}.hunyuan_a13b:HunyuanA13BToolParser",
+    "hy_v3": f"{_PKG}.hunyuan:HyV3ToolParser",
+    "hy_v4": f"{_PKG}.hunyuan:HyV4ToolParser",
     # -- end of group A --
     # -- group B --
     # -- end of group B --
@@ -38,6 +60,24 @@ TOOL_PARSERS: dict[str, str] = {
 # first, since several formats share tags such as <tool_call>
 _SIGNATURES: tuple[tuple[str, tuple[str, ...]], ...] = (
     # -- group A --
+    ("deepseek_v41", ("｜DSML｜", " calls>")),
+    ("deepseek_v41", ("｜DSML｜ ", "calls>")),
+    ("deepseek_v32", ("｜DSML｜", "function_calls>")),
+    ("deepseek_v4", ("｜DSML｜", "tool_calls>")),
+    ("deepseek_v31", ("<｜tool▁calls▁begin｜>", "['name'] + '<｜tool▁sep｜>'")),
+    ("step3", ("<｜tool_calls_begin｜>",)),
+    ("step3", ("<steptml:invoke",)),
+    ("kimi_k3", ("<|open|>", "<|close|>", "<|sep|>")),
+    ("kimi_k2", ("<|tool_calls_section_begin|>",)),
+    ("k2_horizon", ("<ifm|tool_call>",)),
+    ("minimax_m3", ("]<]minimax[>[", "<invoke name=")),
+    ("minimax_m2", ("<minimax:tool_call>",)),
+    ("seed_oss", ("<seed:tool_call>",)),
+    ("longcat", ("<longcat_tool_call>",)),
+    ("hy_v3", ("<tool_calls", "<tool_sep", "<arg_key")),
+    ("ling3", ("<|role_end|>", "<tool_call>", "<arg_key>")),
+    ("glm47", ("[gMASK]<sop>", "<tool_call>{function-name}<arg_key>")),
+    ("glm45", ("[gMASK]<sop>", "<tool_call>", "<arg_key>")),
     # -- end of group A --
     # -- group B --
     # -- end of group B --
@@ -49,7 +89,7 @@ _SIGNATURES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("deepseek_v3", ("<｜tool▁calls▁begin｜>",)),
     ("internlm", ("<|action_start|>", "<|plugin|>")),
     ("pythonic", ("[func_name1(",)),
-    ("llama3_json", ("<|python_tag|>",)),
+    ("llama3_json", ('{"name": function name, "parameters": dictionary',)),
 )
 
 

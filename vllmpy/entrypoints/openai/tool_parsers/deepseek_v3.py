@@ -8,6 +8,9 @@
 DeepSeek-V3.1's shorter form, ``<｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{"city":
 "Paris"}<｜tool▁call▁end｜>`` (no type, no code fence), is read too. Text before the calls
 and after ``<｜tool▁calls▁end｜>`` is content; text between calls is dropped.
+
+deepseek_v31 reads the V3.1 form only: there a call's first field is always the function's
+name, even a function named ``function``.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ FENCE = "```json"
 
 class DeepSeekV3ToolParser(ToolParser):
     needs_special_tokens = True  # the markers are special tokens in some of its vocabularies
+    v3_form = True  # "function<｜tool▁sep｜>name" followed by a fenced JSON block
 
     def __init__(self, tools: Tools = None) -> None:
         super().__init__(tools)
@@ -63,7 +67,7 @@ class DeepSeekV3ToolParser(ToolParser):
         self._buf = after
         if marker == CALL_END or not before.strip():
             self._state = "section"  # a call with no name is dropped
-        elif before.strip() == "function":
+        elif self.v3_form and before.strip() == "function":
             self._state = "name"  # V3: the name follows on its own line
         else:
             self._open(before.strip())
@@ -133,3 +137,7 @@ class DeepSeekV3ToolParser(ToolParser):
         else:
             self._buf = ""
         return marker is not None
+
+
+class DeepSeekV31ToolParser(DeepSeekV3ToolParser):
+    v3_form = False

@@ -12,21 +12,23 @@ a call object is given back as content.
 from __future__ import annotations
 
 from vllmpy.entrypoints.openai.tool_parsers.abstract import ToolParser, Tools
-from vllmpy.entrypoints.openai.tool_parsers.json_stream import CallObjectReader
+from vllmpy.entrypoints.openai.tool_parsers.json_stream import CallArrayReader, CallObjectReader
 from vllmpy.reasoning.abstract import split_at_marker
 
 
 class TaggedJsonToolParser(ToolParser):
-    """Calls as JSON objects between a start and an (optional) end marker."""
+    """Calls as JSON objects (or one JSON array of them, with ``array``) between a start
+    and an (optional) end marker."""
 
     start = "<tool_call>"
     end = "</tool_call>"
     args_keys: tuple[str, ...] = ("arguments", "parameters")
+    array = False
 
     def __init__(self, tools: Tools = None) -> None:
         super().__init__(tools)
         self._state = "text"  # text | call | after
-        self._reader: CallObjectReader | None = None
+        self._reader: CallObjectReader | CallArrayReader | None = None
         self._raw = ""  # the body read so far, given back if it turns out not to be a call
 
     def _parse(self, final: bool) -> None:
@@ -36,7 +38,8 @@ class TaggedJsonToolParser(ToolParser):
                 progressing = self.scan_content((self.start,), final) is not None
                 if progressing:
                     self._state, self._raw = "call", ""
-                    self._reader = CallObjectReader(self, self.args_keys)
+                    reader = CallArrayReader if self.array else CallObjectReader
+                    self._reader = reader(self, self.args_keys)
             elif self._state == "call":
                 progressing = self._read_call(final)
             else:

@@ -94,7 +94,7 @@ class ArgsWriter:
         self.parser = parser
         self.strip = strip
         spec = parser.functions.get(function) or {}
-        self._properties = (spec.get("parameters") or {}).get("properties") or {}
+        self.properties = (spec.get("parameters") or {}).get("properties") or {}
         self.count = 0
         self.open = False  # a value is being read
         self._string = False
@@ -104,7 +104,7 @@ class ArgsWriter:
         self._held = ""  # trailing whitespace of a stripped string, held back
 
     def types_of(self, key: str) -> list[str]:
-        schema = self._properties.get(key)
+        schema = self.properties.get(key)
         return schema_types(schema if isinstance(schema, dict) else None)
 
     def begin(self, key: str, kind: str | Sequence[str] = "schema") -> None:
