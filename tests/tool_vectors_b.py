@@ -222,4 +222,36 @@ VECTORS_B: list[tuple[str, str, str | None, list[tuple[str, object]]]] = [
      [("get_weather", {"days": 2, "tags": ["x{y}"], "where": {"a": {"b": False}}})]),
     ("functiongemma", "<start_function_call>call:get_weather{days:1", None,
      [("get_weather", {"days": 1})]),
+    # openai (gpt-oss harmony): channels and recipients; the prompt opened the first message
+    ("openai", "<|channel|>analysis<|message|>Two lookups.<|end|><|start|>assistant"
+     "<|channel|>commentary<|message|>Let me check.<|end|><|start|>assistant<|channel|>"
+     'commentary to=functions.get_weather <|constrain|>json<|message|>{"city":"Paris"}'
+     "<|call|><|start|>assistant to=functions.get_time<|channel|>commentary json<|message|>"
+     "{}<|call|>", "Let me check.", [_PARIS, _TIME]),
+    ("openai", "<|channel|>analysis<|message|>Easy.<|end|><|start|>assistant<|channel|>final"
+     "<|message|>It is sunny.<|return|>", "It is sunny.", []),
+    ("openai", "<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>"
+     '{"where":{"lat":1.5,"tags":["a\\"b",null]},"days":3}<|call|>', None,
+     [("get_weather", {"where": {"lat": 1.5, "tags": ['a"b', None]}, "days": 3})]),
+    ("openai", "<|channel|>commentary to=browser.search <|constrain|>json<|message|>"
+     '{"q":"x"}<|call|>', None, []),
+    ("openai", "<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>"
+     '{"city":"Pa', None, [("get_weather", {"city": "Pa"})]),
+    ("openai", "Unframed text.", "Unframed text.", []),
+    # muse_glimmer: ATEM invokes in messages to a tool; to=self and quoted invokes are not
+    ("muse_glimmer", ' to=self<|message|>Quote: <atem:invoke name="get_time"></atem:invoke>'
+     "<|eom|><|start|>assistant to=user<|message|>Let me check.<|eom|><|start|>assistant "
+     'to=get_weather<|message|><atem:function_calls>\n<atem:invoke name="get_weather">\n'
+     '<atem:parameter name="city">Paris</atem:parameter>\n</atem:invoke>\n<atem:invoke '
+     'name="get_time">\n</atem:invoke>\n</atem:function_calls><|eom|>', "Let me check.",
+     [_PARIS, _TIME]),
+    ("muse_glimmer", " to=user<|message|>It is sunny.<|eot|>", "It is sunny.", []),
+    ("muse_glimmer", " to=get_weather<|message|><atem:function_calls>\n<atem:invoke "
+     'name="get_weather.get_weather">\n<atem:parameter name="days">3</atem:parameter>\n'
+     '<atem:parameter name="where">{"lat": 1.5}</atem:parameter>\n<atem:parameter name='
+     '"city">"New" York\n</atem:parameter>\n</atem:invoke>\n</atem:function_calls><|eom|>',
+     None, [("get_weather", {"days": 3, "where": {"lat": 1.5}, "city": '"New" York\n'})]),
+    ("muse_glimmer", ' to=get_weather<|message|><atem:function_calls>\n<atem:invoke name="'
+     'get_weather">\n<atem:parameter name="city">Par', None,
+     [("get_weather", {"city": "Par"})]),
 ]
