@@ -14,5 +14,8 @@ class DeepSeekV3ReasoningParser(ReasoningParser):
             return "reasoning_head"
         if prompt_state == "closed":
             return "content"
-        thinking = self.chat_template_kwargs.get("thinking", self.enable_thinking)
-        return "reasoning_head" if thinking else "content"
+        return "reasoning_head" if self.thinking() else "content"
+
+    def thinking(self) -> bool:
+        """Whether the request turned thinking on."""
+        return bool(self.chat_template_kwargs.get("thinking", self.enable_thinking))
