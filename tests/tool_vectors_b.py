@@ -105,6 +105,9 @@ VECTORS_B: list[tuple[str, str, str | None, list[tuple[str, object]]]] = [
     ("cohere_command3", '<|START_ACTION|>[{"tool_call_id": "0", "tool_name": "get_weather", '
      '"parameters": {"where": {"lat": 1.5}, "tags": ["x\\ty"]', None,
      [("get_weather", {"where": {"lat": 1.5}, "tags": ["x\ty"]})]),
+    ("cohere_command3", 'Action:\n```json\n[\n    {\n        "tool_name": "get_weather",\n'
+     '        "parameters": {"city": "Paris"}\n    }\n]\n```', None, [_PARIS]),
+    ("cohere_command3", "Action: none needed.", "Action: none needed.", []),
     # cohere_command4: Command A's newer templates (text markers too)
     ("cohere_command4", "<|START_TEXT|>It is sunny.<|END_TEXT|>", "It is sunny.", []),
     ("cohere_command4", "Plan first.<|START_ACTION|>[{\"tool_call_id\": \"0\", \"tool_name\": "

@@ -126,9 +126,7 @@ class PythonCallsToolParser(ToolParser):
             elif ch == top:
                 self._stack.pop()
             return True
-        if ch in "'\"":
-            self._stack.append(ch)
-        elif ch in _CLOSERS:
+        if ch in "'\"" or ch in _CLOSERS:
             self._stack.append(ch)
         elif ch in ")]}":
             if top is None or _CLOSERS[top] != ch:

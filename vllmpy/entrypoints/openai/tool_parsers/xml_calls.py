@@ -131,15 +131,12 @@ class XmlCallsToolParser(ToolParser):
         at = self._buf.find(">")
         if at < 0 and not final and len(self._buf) <= _MAX_TAG:
             return None
-        if at < 0:
-            return self._tag_failed()
+        if at < 0:  # not markup: the tag's start is content, the rest is read again
+            self.emit_content(self.invoke_start)
+            self._state = self._return
+            return None
         rest, self._buf = self._buf[:at], self._buf[at + 1:]
         return rest
-
-    def _tag_failed(self) -> None:
-        self.emit_content(self.invoke_start)
-        self._state = self._return
-        return None
 
     def _x_head(self, final: bool) -> bool:
         rest = self._tag_rest(final)
