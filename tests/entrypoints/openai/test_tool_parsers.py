@@ -10,6 +10,7 @@ equal to the whole response's arguments).
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from tool_parser_utils import TOOLS, WEATHER, check_delta_rules, check_vector, cut_sets, replay
@@ -29,7 +30,7 @@ from vllmpy.entrypoints.openai.tool_parsers.forced import (
     required_schema,
 )
 from vllmpy.entrypoints.openai.tool_parsers.json_stream import JsonValueWriter, canonical_json
-
+from vllmpy.loader.pypi_weights import fetch
 
 M3 = "]<]minimax[>["  # MiniMax-M3's tag marker
 
@@ -545,3 +546,136 @@ def test_auto_detection_from_the_chat_template(template, expected, capsys):
     line = capsys.readouterr().err.strip()
     assert line.startswith("server: --tool-call-parser auto: ")
     assert (repr(expected) in line) if expected else ("off" in line)
+
+
+# ---------------------------------------------------------------------------------------
+# Auto-detection from real chat templates (llama.cpp's collection)
+# ---------------------------------------------------------------------------------------
+
+# template file -> the parser for the call format it writes (None: it writes no calls, or
+# a format no registered parser reads)
+REAL_TEMPLATES = {
+    "deepseek-ai-DeepSeek-V3.1": "deepseek_v31",
+    "deepseek-ai-DeepSeek-V3.2": "deepseek_v32",
+    "deepseek-ai-DeepSeek-V4": "deepseek_v4",
+    "deepseek-ai-DeepSeek-V4-Flash-0731": "deepseek_v4",  # V4's DSML spelling
+    "deepseek-ai-DeepSeek-R1-Distill-Llama-8B": "deepseek_v3",
+    "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B": "deepseek_v3",
+    "llama-cpp-deepseek-r1": "deepseek_v3",
+    "Kimi-K2-Instruct": "kimi_k2",
+    "Kimi-K2-Thinking": "kimi_k2",
+    "moonshotai-Kimi-K2": "kimi_k2",
+    "Kimi-K3": "kimi_k3",
+    "GLM-4.6": "glm45",
+    "GLM-4.7-Flash": "glm47",
+    "inclusionai-ling-3.0-flash": "ling3",
+    "MiniMax-M2": "minimax_m2",
+    "MiniMax-M3": "minimax_m3",
+    "MiniMax-M1": None,  # JSON lines in <tool_calls>: no parser of the registry reads them
+    "MiMo-VL": "hermes",  # MiMo-VL's template writes hermes' JSON, not MiMo's XML
+    "ByteDance-Seed-OSS": "seed_oss",
+    "StepFun3.5-Flash": "qwen3_coder",  # step3p5 is the same parser
+    "tencent-Hy3": "hy_v3",
+    "Qwen-Qwen2.5-7B-Instruct": "hermes",
+    "Qwen-Qwen3-0.6B": "hermes",
+    "Qwen-QwQ-32B": "hermes",
+    "Qwen3-Coder": "qwen3_coder",
+    "Qwen3.5-4B": "qwen3_coder",
+    "NVIDIA-Nemotron-3-Nano-30B-A3B-BF16": "qwen3_coder",
+    "NousResearch-Hermes-2-Pro-Llama-3-8B-tool_use": "hermes",
+    "NousResearch-Hermes-3-Llama-3.1-8B-tool_use": "hermes",
+    "meta-llama-Llama-3.1-8B-Instruct": "llama3_json",
+    "meta-llama-Llama-3.2-3B-Instruct": "llama3_json",
+    "meta-llama-Llama-3.3-70B-Instruct": "llama3_json",
+    "Mistral-Small-3.2-24B-Instruct-2506": "mistral",
+    "mistralai-Mistral-Nemo-Instruct-2407": "mistral",
+    "mistralai-Ministral-3-14B-Reasoning-2512": "mistral",
+    "unsloth-mistral-Devstral-Small-2507": "mistral",
+    "ibm-granite-granite-3.3-2B-Instruct": "granite",
+    "meetkai-functionary-medium-v3.1": None,  # <function=name>{json}</function>
+    "meetkai-functionary-medium-v3.2": None,  # >>>name
+    "google-gemma-2-2b-it": None,
+    "llama-cpp-rwkv-world": None,
+}
+
+
+@pytest.fixture(scope="module")
+def template_dir():
+    return Path(fetch("llama.cpp-models", quiet=True)) / "templates"
+
+
+@pytest.mark.parametrize("stem, expected", REAL_TEMPLATES.items(), ids=list(REAL_TEMPLATES))
+def test_auto_detection_from_real_templates(template_dir, stem, expected):
+    template = (template_dir / f"{stem}.jinja").read_text(encoding="utf-8")
+    assert detect_tool_parser(template) == expected
+
+
+# ---------------------------------------------------------------------------------------
+# What the vectors cannot show
+# ---------------------------------------------------------------------------------------
+
+
+def test_kimi_k2_call_ids_are_its_headers():
+    calls = get_tool_parser("kimi_k2")().parse(
+        "<|tool_calls_section_begin|><|tool_call_begin|>functions.get_time:0"
+        "<|tool_call_argument_begin|>{}<|tool_call_end|><|tool_call_begin|>functions.get_time:1"
+        "<|tool_call_argument_begin|>{}<|tool_call_end|><|tool_calls_section_end|>").tool_calls
+    assert [c.id for c in calls] == ["functions.get_time:0", "functions.get_time:1"]
+
+
+ORDER = {"type": "function", "function": {"name": "create_order", "parameters": {
+    "type": "object", "properties": {
+        "user_id": {"type": "integer"},
+        "items": {"type": "array", "items": {"type": "object", "properties": {
+            "sku": {"type": "string"}, "qty": {"type": "integer"}}}},
+        "notes": {"type": "array"},
+        "gift": {"anyOf": [{"type": "null"}, {"type": "boolean"}]}}}}}
+
+
+def test_minimax_m3_nested_elements_follow_the_schema():
+    text = (f'{M3}<tool_call>{M3}<invoke name="create_order">{M3}<user_id>42{M3}</user_id>'
+            f"{M3}<items>{M3}<item>{M3}<sku>007{M3}</sku>{M3}<qty>2{M3}</qty>{M3}</item>{M3}"
+            f"</items>{M3}<notes>{M3}</notes>{M3}<gift>false{M3}</gift>{M3}</invoke>{M3}"
+            "</tool_call>")
+    expected = {"user_id": 42, "items": [{"sku": "007", "qty": 2}], "notes": [], "gift": False}
+    make = get_tool_parser("minimax_m3")
+    whole = make([ORDER]).parse(text)
+    assert [(c.name, json.loads(c.arguments)) for c in whole.tool_calls] == \
+        [("create_order", expected)]
+    for cuts in cut_sets(text)[:40]:
+        deltas = replay(lambda: make([ORDER]), text, cuts)
+        check_delta_rules(deltas)
+        assert [c.arguments for c in collect(deltas).tool_calls] == \
+            [whole.tool_calls[0].arguments]
+
+
+@pytest.mark.parametrize("name, text, streamed", [
+    ("deepseek_v4", '<｜DSML｜tool_calls>\n<｜DSML｜invoke name="get_weather">\n<｜DSML｜parameter '
+     'name="city" string="true">Par', '{"city": "Par'),
+    ("glm47", "<tool_call>get_weather<arg_key>city</arg_key><arg_value>Par", '{"city": "Par'),
+    ("minimax_m2", '<minimax:tool_call><invoke name="get_weather"><parameter name="city">Par',
+     '{"city": "Par'),
+    ("kimi_k3", '<|open|>tools<|sep|><|open|>call tool="get_weather" index="1"<|sep|><|open|>'
+     'argument key="city" type="string"<|sep|>Par', '{"city": "Par'),
+    ("hy_v3", "<tool_calls><tool_call>get_weather<tool_sep><arg_key>city</arg_key><arg_value>Par",
+     '{"city": "Par'),
+])
+def test_string_values_stream_before_they_end(name, text, streamed):
+    delta = get_tool_parser(name)(TOOLS).push(text)
+    assert [c.name for c in delta.tool_calls] == ["get_weather"]
+    assert "".join(c.arguments for c in delta.tool_calls) == streamed
+
+
+def test_hy_markers_take_the_suffix_of_the_section():
+    text = ("<tool_calls:abc><tool_call:xyz>get_time</tool_call:xyz><tool_call:abc>get_time"
+            "</tool_call:abc></tool_calls:abc>")
+    calls = get_tool_parser("hy_v4")().parse(text).tool_calls
+    assert [(c.name, c.arguments) for c in calls] == [("get_time", "{}")]
+
+
+def test_group_a_markers_keep_special_tokens():
+    keeps = {name for name in TOOL_PARSERS if get_tool_parser(name).needs_special_tokens}
+    assert {"deepseek_v31", "deepseek_v32", "deepseek_v4", "deepseek_v41", "kimi_k2", "kimi_k3",
+            "k2_horizon", "glm45", "glm47", "ling3", "minimax_m2", "seed_oss", "step3",
+            "hy_v3", "hy_v4"} <= keeps
+    assert "minimax_m3" not in keeps  # its markers are ordinary added tokens

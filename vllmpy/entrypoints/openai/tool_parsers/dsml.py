@@ -31,7 +31,7 @@ class _DsmlToolParser(InvokeToolParser):
 
 
 class DeepSeekV32ToolParser(_DsmlToolParser):
-    section_starts = ("<｜DSML｜function_calls>",)
+    section_starts: tuple[str, ...] = ("<｜DSML｜function_calls>",)
     section_end = "</｜DSML｜function_calls>"
     invoke, invoke_end = "<｜DSML｜invoke name=", "</｜DSML｜invoke>"
     param, param_end = "<｜DSML｜parameter", "</｜DSML｜parameter>"

@@ -118,7 +118,8 @@ def convert_object(elements: list[tuple[str, Element]],
         elif name in repeated:
             result[name].append(value)
         else:
-            result[name], _ = [result[name], value], repeated.add(name)
+            result[name] = [result[name], value]
+            repeated.add(name)
     return result
 
 
