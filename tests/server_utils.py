@@ -110,3 +110,24 @@ def write_tiny_chat_model(path) -> str:
 
 
 TINY_SERVER = ("--load-format", "dummy", "--device", "cpu", "--dtype", "float32")
+
+
+def engine_core_pid(server_pid: int) -> int:
+    """The engine-core child of a server: its spawned process that is not the resource
+    tracker."""
+    import psutil
+
+    for child in psutil.Process(server_pid).children():
+        try:
+            cmd = " ".join(child.cmdline())
+        except psutil.Error:
+            continue
+        if "multiprocessing" in cmd and "resource_tracker" not in cmd:
+            return child.pid
+    raise AssertionError("no engine-core child process found")
+
+
+def rss_bytes(pid: int) -> int:
+    import psutil
+
+    return psutil.Process(pid).memory_info().rss

@@ -47,6 +47,7 @@ class _ParentState:
     # One entry per prompt token when the request asked for prompt logprobs.
     prompt_logprobs: PromptLogprobs | None = None
     prompt_logprobs_sent: bool = False  # handed out already (DELTA sends them once)
+    faulty: bool = False  # its prompt holds VT_TEST_FAULT_PROMPT: processing it raises
 
     @property
     def finished(self) -> bool:
@@ -84,6 +85,11 @@ class OutputProcessor:
             self.child_to_parent[child_id] = request_id
         parent = _ParentState(request_id, prompt, prompt_token_ids,
                               child_params[0].output_kind, children)
+        if self._fault_prompt is not None:
+            text = prompt
+            if text is None and self.tokenizer is not None:
+                text = self.tokenizer.decode(prompt_token_ids)
+            parent.faulty = self._fault_prompt in (text or "")
         if child_params[0].prompt_logprobs is not None:
             parent.prompt_logprobs = [None] * len(prompt_token_ids)
         self.parents[request_id] = parent
@@ -139,7 +145,7 @@ class OutputProcessor:
         child = parent.children[out.req_id]
         if child.finish_reason is not None:
             return False
-        if self._fault_prompt is not None and self._fault_prompt in (parent.prompt or ""):
+        if parent.faulty:
             raise RuntimeError("fault injected by VT_TEST_FAULT_PROMPT")
         parent.num_cached_tokens = max(parent.num_cached_tokens, out.num_cached_tokens)
         if out.new_prompt_logprobs is not None:

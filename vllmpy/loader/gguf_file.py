@@ -90,9 +90,23 @@ class GGUFFile:
             raise GGUFFormatError(f"{path} is not a GGUF file (bad magic)")
         cur = _Cursor(buf)
         cur.pos = 4
+        try:
+            infos = self._read_header(cur)
+        except (struct.error, ValueError) as e:  # a header cut short reads past the end
+            if isinstance(e, GGUFFormatError):
+                raise
+            raise GGUFFormatError(f"{path} is truncated or corrupt: its header ends at byte "
+                                  f"{cur.pos} of {len(buf)} ({e})") from None
+        align = int(self.metadata.get("general.alignment", 32))
+        data_start = -(-cur.pos // align) * align
+        self.tensors = [self._tensor(mm, data_start, *info) for info in infos]
+
+    def _read_header(self, cur: _Cursor) -> list[tuple[str, tuple[int, ...], int, int]]:
+        """Version, metadata (into ``self.metadata``) and the tensor infos."""
         version = cur.scalar("<I")
         if version not in (2, 3):
-            raise GGUFFormatError(f"{path}: GGUF version {version} is not supported (2 or 3)")
+            raise GGUFFormatError(f"{self.path}: GGUF version {version} is not supported "
+                                  f"(2 or 3)")
         n_tensors, n_kv = cur.scalar("<Q"), cur.scalar("<Q")
         self.metadata: dict[str, Any] = {}
         for _ in range(n_kv):
@@ -105,9 +119,7 @@ class GGUFFile:
             shape = tuple(cur.scalar("<Q") for _ in range(n_dims))
             ttype, offset = cur.scalar("<I"), cur.scalar("<Q")
             infos.append((name, shape, ttype, offset))
-        align = int(self.metadata.get("general.alignment", 32))
-        data_start = -(-cur.pos // align) * align
-        self.tensors = [self._tensor(mm, data_start, *info) for info in infos]
+        return infos
 
     def _tensor(self, mm: np.ndarray, data_start: int, name: str, shape: tuple[int, ...],
                 ttype: int, offset: int) -> GGUFTensor:
@@ -123,7 +135,11 @@ class GGUFFile:
             rows *= d
         row_bytes = row // block * type_size
         start = data_start + offset
-        data = mm[start:start + rows * row_bytes].reshape(rows, row_bytes)
+        end = start + rows * row_bytes
+        if end > len(mm):
+            raise GGUFFormatError(f"{self.path} is truncated: tensor {name!r} needs bytes "
+                                  f"{start}..{end} but the file has {len(mm)} bytes")
+        data = mm[start:end].reshape(rows, row_bytes)
         return GGUFTensor(name, shape, qtype, data)
 
 

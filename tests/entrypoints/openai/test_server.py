@@ -209,7 +209,7 @@ def _post(server, path: str, body, **kw) -> httpx.Response:
     ("/v1/completions", {"prompt": PROMPT, "temperature": "hot"}, 400, "temperature"),
     ("/v1/completions", {"prompt": PROMPT, "temperature": 5}, 400, "temperature"),
     ("/v1/completions", {"prompt": PROMPT, "max_tokens": "x"}, 400, "max_tokens"),
-    ("/v1/completions", {"prompt": PROMPT, "model": "gpt-4"}, 400, "gpt-4"),
+    ("/v1/completions", {"prompt": PROMPT, "model": "gpt-4"}, 404, "gpt-4"),
     ("/v1/completions", b'{"prompt": "x",', 400, "JSON"),
     ("/v1/completions", {"prompt": PROMPT, "stream_options": {"include_usage": True}}, 400,
      "stream"),
@@ -300,64 +300,5 @@ def test_api_key_notices_and_keepalive(smollm_path):
                        if ln.startswith("data: {"))
         assert text == full.choices[0].text
         assert [ln for ln in lines if ln][-1] == "data: [DONE]"
-    finally:
-        s.stop()
-
-
-def _engine_core_pid(server_pid: int) -> int:
-    """The engine-core child: a spawned Python process that is not the resource tracker."""
-    import os
-
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                cmd = f.read().replace(b"\0", b" ").decode()
-        except (OSError, ValueError, IndexError):
-            continue
-        if ppid == server_pid and "multiprocessing" in cmd and "resource_tracker" not in cmd:
-            return int(pid)
-    raise AssertionError("no engine-core child process found")
-
-
-def test_dead_engine_fails_health_and_in_flight_requests(smollm_path):
-    import os
-    import signal
-    import time
-
-    s = start_server("--model", smollm_path, *COMMON, "--num-blocks", "16")
-    try:
-        lines: list[str] = []
-        done = threading.Event()
-
-        def stream() -> None:
-            try:
-                with httpx.stream("POST", f"{s.url}/v1/completions", timeout=120, json={
-                        "prompt": PROMPT, "max_tokens": 400, "ignore_eos": True,
-                        "stream": True}) as r:
-                    for line in r.iter_lines():
-                        lines.append(line)
-            except httpx.HTTPError as e:
-                lines.append(f"transport error: {e}")
-            done.set()
-
-        t = threading.Thread(target=stream)
-        t.start()
-        deadline = time.time() + 60
-        while not any(ln.startswith("data: {") for ln in lines) and time.time() < deadline:
-            time.sleep(0.05)
-        os.kill(_engine_core_pid(s.proc.pid), signal.SIGKILL)
-        assert done.wait(30), "the in-flight stream hung after the engine died"
-        data = [ln for ln in lines if ln.startswith("data: {")]
-        assert "error" in json.loads(data[-1][6:]) or any("transport error" in ln for ln in lines)
-        deadline = time.time() + 30
-        while httpx.get(f"{s.url}/health").status_code == 200 and time.time() < deadline:
-            time.sleep(0.2)
-        assert httpx.get(f"{s.url}/health").status_code >= 500
-        r = _post(s, "/v1/completions", {"prompt": PROMPT, "max_tokens": 2})
-        assert r.status_code >= 500 and r.json()["error"]["message"]
     finally:
         s.stop()
