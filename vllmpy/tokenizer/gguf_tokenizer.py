@@ -3,15 +3,17 @@
 A GGUF carries no tokenizer.json: it stores the vocabulary (`tokenizer.ggml.tokens`), the merges,
 each token's type, the special token ids and the name of the text-splitting rule
 (`tokenizer.ggml.pre`). We rebuild the tokenizer Hugging Face transformers builds from the same
-file (`AutoTokenizer.from_pretrained(dir, gguf_file=...)`), which is the oracle the tests compare
-against:
+file (`AutoTokenizer.from_pretrained(dir, gguf_file=...)`), except that the split rules of the
+names transformers does not know, or splits otherwise than llama.cpp, are llama.cpp's (gguf_pre.py
+lists every rule, says where transformers differs, and names the oracle each is checked against):
 
 - vocabulary: tokens spelled in the byte alphabet as they are; any other token (rare) re-spelled
   byte by byte from its UTF-8 text;
 - control tokens (type 3) become special added tokens (matched whole in text, dropped by
   `decode(skip_special_tokens=True)`); user-defined tokens (type 4, e.g. `<tool_call>`) become
   plain added tokens (matched whole, kept on decode); BOS/EOS/UNK/PAD are special too;
-- the split regex chosen by `tokenizer.ggml.pre` (`_PRE_TOKENIZERS`);
+- the split rule chosen by `tokenizer.ggml.pre` (`gguf_pre.SPLIT_RULES`); any other name is
+  refused by name;
 - BOS/EOS added by `encode(add_special_tokens=True)` only when `tokenizer.ggml.add_bos_token` /
   `add_eos_token` say so (both default to false for a byte-level vocabulary).
 
@@ -22,6 +24,11 @@ whitespace characters, and after a single space when the numeral is not ASCII (Â
 tests/tokenizer/test_gguf_tokenizer.py::test_smollm_digit_split_divergence.
 `qwen2` note: Qwen2's own tokenizer.json NFC-normalizes text first; transformers' conversion (and
 llama.cpp) do not, so text that is not in NFC (e.g. "e" + U+0301) differs. We follow transformers.
+`default` note (also a file without `tokenizer.ggml.pre`): transformers uses the plain GPT-2 regex;
+llama.cpp's `default` splits punctuation runs and digits off first. We follow transformers.
+`llama-bpe` note: we follow llama.cpp in taking a piece that is a whole vocabulary token as that
+token (see gguf_pre.py). When the file has no `tokenizer.ggml.add_bos_token`, llama.cpp adds BOS
+for this name and we, like transformers, do not; converted Llama 3 files carry the key.
 """
 
 from __future__ import annotations
@@ -30,50 +37,19 @@ from pathlib import Path
 from typing import Any
 
 from gguf import GGUFReader
-from tokenizers import AddedToken, Regex, decoders, pre_tokenizers
+from tokenizers import AddedToken, decoders
 from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers.models import BPE
 
 from vllmpy.loader.gguf_file import GGUFFile, open_gguf_file
+from vllmpy.tokenizer.gguf_pre import SPLIT_RULES
 from vllmpy.tokenizer.tokenizer import Tokenizer, bos_eos_post_processor, byte_level_alphabet
 
 # llama.cpp's token types (gguf.TokenType).
 _CONTROL = 3
 _USER_DEFINED = 4
 
-# Qwen2's split: one digit at a time, letters with one leading non-letter, newline runs apart.
-_QWEN2_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-# Llama 3's split: like Qwen2's but numbers in groups of up to three digits.
-_LLAMA3_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-
-
-def _regex_split(pattern: str) -> pre_tokenizers.PreTokenizer:
-    return pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(pattern), behavior="isolated"),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])
-
-
-def _gpt2_split() -> pre_tokenizers.PreTokenizer:
-    # ByteLevel with use_regex=True applies GPT-2's own split regex.
-    return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-
-
-# tokenizer.ggml.pre -> the pre-tokenizer transformers gives that file.
-_PRE_TOKENIZERS = {
-    "qwen2": lambda: _regex_split(_QWEN2_SPLIT),
-    "llama-bpe": lambda: _regex_split(_LLAMA3_SPLIT),
-    "smollm": _gpt2_split,
-    "gpt-2": _gpt2_split,
-    "default": _gpt2_split,
-}
-SUPPORTED_PRE = tuple(_PRE_TOKENIZERS)
+SUPPORTED_PRE = tuple(SPLIT_RULES)
 SUPPORTED_MODELS = ("gpt2",)
 
 
@@ -104,7 +80,7 @@ def tokenizer_from_metadata(meta: dict[str, Any], where: str = "GGUF file") -> T
         raise ValueError(f"{where}: tokenizer.ggml.model={model!r} is not supported; supported "
                          f"tokenizer models: {list(SUPPORTED_MODELS)}")
     pre = meta.get("tokenizer.ggml.pre", "default")
-    if pre not in _PRE_TOKENIZERS:
+    if pre not in SPLIT_RULES:
         raise ValueError(f"{where}: tokenizer.ggml.pre={pre!r} is not supported; supported "
                          f"pre-tokenizers: {list(SUPPORTED_PRE)}")
     tokens: list[str] = _required(meta, "tokenizer.ggml.tokens", where)
@@ -130,8 +106,10 @@ def tokenizer_from_metadata(meta: dict[str, Any], where: str = "GGUF file") -> T
         if not sep or not left or not right:
             raise ValueError(f"{where}: tokenizer.ggml.merges[{n}]={merge!r} is not 'A B'")
         pairs.append((left, right))
-    backend = BackendTokenizer(BPE(vocab=vocab, merges=pairs, fuse_unk=False))
-    backend.pre_tokenizer = _PRE_TOKENIZERS[pre]()
+    rule = SPLIT_RULES[pre]
+    backend = BackendTokenizer(BPE(vocab=vocab, merges=pairs, fuse_unk=False,
+                                   ignore_merges=rule.ignore_merges))
+    backend.pre_tokenizer = rule.pre_tokenizer()
     backend.decoder = decoders.ByteLevel()
 
     special_ids = {meta.get(f"tokenizer.ggml.{k}_token_id")
