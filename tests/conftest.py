@@ -11,6 +11,14 @@ if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
 
+def pytest_addoption(parser):
+    group = parser.getgroup("vllmpy load tests")
+    group.addoption("--soak-requests", type=int, default=10_000,
+                    help="requests in the soak test (default 10,000)")
+    group.addoption("--abort-requests", type=int, default=1_000,
+                    help="aborted streams in the abort test (default 1,000)")
+
+
 # ---- figures: numbers a test measured, printed together at the end of the run ---------
 
 _FIGURES: list[tuple[str, str]] = []
