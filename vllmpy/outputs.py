@@ -95,3 +95,25 @@ class RequestOutput:
     num_cached_tokens: int = 0
     prompt_logprobs: PromptLogprobs | None = None  # when the request asked for them
     metrics: RequestMetrics | None = None  # filled by AsyncLLM and LLM
+
+
+@dataclass
+class FinishedRequestStats:
+    """One request at its end, however it ended (a metrics logger's view of it)."""
+
+    finish_reason: str  # "stop", "length", "abort" or "error"
+    metrics: RequestMetrics  # its timing and token counts at the end
+    n: int  # completions asked for
+    max_tokens: int  # per completion, as resolved by the engine
+
+
+@dataclass
+class IterationStats:
+    """What one batch of engine-core outputs did, as the frontend saw it: tokens counted
+    as they arrive, not when their request ends."""
+
+    num_generation_tokens: int = 0
+    num_prompt_tokens: int = 0  # of the requests whose first token came in this batch
+    time_to_first_tokens: list[float] = field(default_factory=list)  # seconds
+    inter_token_latencies: list[float] = field(default_factory=list)  # seconds
+    finished: list[FinishedRequestStats] = field(default_factory=list)

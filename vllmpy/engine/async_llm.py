@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import sys
+import time
 import traceback
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, replace
@@ -30,12 +31,19 @@ from vllmpy.engine.mp_client import AsyncMPClient
 from vllmpy.engine.output_processor import OutputProcessor
 from vllmpy.loader.load_stats import LoadStats
 from vllmpy.loader.source import ModelSource, load_tokenizer
-from vllmpy.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from vllmpy.outputs import (
+    CompletionOutput,
+    FinishedRequestStats,
+    IterationStats,
+    RequestMetrics,
+    RequestOutput,
+)
 from vllmpy.sampling_params import SamplingParams
 
 __all__ = ["AsyncLLM", "EngineDeadError", "EngineGenerateError", "EngineStartupError"]
 
-StatListener = Callable[[SchedulerStats | None, list[RequestOutput]], None]
+# Called with the core's latest scheduler stats and what the batch did.
+StatListener = Callable[[SchedulerStats | None, IterationStats], None]
 
 
 class EngineGenerateError(RuntimeError):
@@ -52,7 +60,9 @@ class _RequestState:
     prompt: str | None
     prompt_token_ids: list[int]
     n: int
+    max_tokens: int
     failed: bool = False  # an error or an abort has been queued: nothing more goes in
+    counted: bool = False  # its end is in the metrics already
 
 
 class AsyncLLM:
@@ -151,7 +161,7 @@ class AsyncLLM:
             metrics=RequestMetrics(arrival_time=processed.core_requests[0].arrival_time,
                                    num_prompt_tokens=len(processed.prompt_token_ids)),
             prompt=processed.prompt, prompt_token_ids=processed.prompt_token_ids,
-            n=len(processed.child_params))
+            n=len(processed.child_params), max_tokens=processed.core_requests[0].max_tokens)
         self._requests[request_id] = state
         self.output_processor.add_request(request_id, processed.prompt,
                                           processed.prompt_token_ids, processed.child_params)
@@ -168,6 +178,7 @@ class AsyncLLM:
         finally:
             self._requests.pop(request_id, None)
             if not finished:
+                self._count_end(state, "abort")
                 self._abort_in_background(request_id)
 
     async def abort(self, request_id: str) -> None:
@@ -177,6 +188,7 @@ class AsyncLLM:
         state = self._requests.get(request_id)
         if state is not None and not state.failed:
             state.failed = True
+            self._count_end(state, "abort")
             state.queue.put_nowait(RequestOutput(
                 request_id, state.prompt, state.prompt_token_ids,
                 [CompletionOutput(i, "", [], finish_reason="abort") for i in range(state.n)],
@@ -244,43 +256,74 @@ class AsyncLLM:
     def _process_batch(self, batch: EngineCoreOutputs) -> list[str]:
         """Hand one batch of core outputs to the waiting generate() calls; returns the
         child ids a stop string finished, which the core must abort."""
-        self._record_core_outputs(batch)
+        iteration = self._record_core_outputs(batch)
         outputs, to_abort = self.output_processor.process_outputs(batch.outputs)
         for request_id, error in self.output_processor.take_failures():
-            self._fail_request(request_id, error)
+            self._fail_request(request_id, error, iteration)
         for out in outputs:
             state = self._requests.get(out.request_id)
             if state is None or state.failed:
                 continue
             out.metrics = self._take_metrics(state, out.finished, batch.timestamp)
+            if out.finished:
+                reason = next((c.finish_reason for c in out.outputs if c.finish_reason),
+                              "stop")
+                self._count_end(state, reason, iteration, batch.timestamp)
             state.queue.put_nowait(out)
         if batch.scheduler_stats is not None:
             self._latest_stats = batch.scheduler_stats
-        self._notify_listeners(outputs)
+        self._notify_listeners(iteration)
         return to_abort
 
-    def _record_core_outputs(self, batch: EngineCoreOutputs) -> None:
-        """Timing per request, and requests the core failed."""
+    def _record_core_outputs(self, batch: EngineCoreOutputs) -> IterationStats:
+        """Timing per request, what the batch did, and the requests the core failed."""
         now = batch.timestamp
+        iteration = IterationStats()
         timed: set[str] = set()  # one token interval per request and step, not per child
         for out in batch.outputs:
             parent_id = self.output_processor.child_to_parent.get(out.req_id)
             state = self._requests.get(parent_id) if parent_id is not None else None
             if parent_id is None or state is None:
                 continue
-            state.metrics.observe_step(out.first_scheduled_time, len(out.new_token_ids), now,
-                                       parent_id not in timed)
+            m = state.metrics
+            if out.new_token_ids:
+                iteration.num_generation_tokens += len(out.new_token_ids)
+                if parent_id not in timed and m.last_token_time is None:
+                    iteration.num_prompt_tokens += m.num_prompt_tokens
+                    iteration.time_to_first_tokens.append(max(now - m.arrival_time, 0.0))
+                elif parent_id not in timed:
+                    iteration.inter_token_latencies.append(max(now - m.last_token_time, 0.0))
+            m.observe_step(out.first_scheduled_time, len(out.new_token_ids), now,
+                           parent_id not in timed)
             if out.new_token_ids:
                 timed.add(parent_id)
             if out.finish_reason == "error":
-                self._fail_request(parent_id, out.error)
+                self._fail_request(parent_id, out.error, iteration)
+        return iteration
 
-    def _fail_request(self, request_id: str, error: str | None) -> None:
+    def _fail_request(self, request_id: str, error: str | None,
+                      iteration: IterationStats | None = None) -> None:
         state = self._requests.get(request_id)
         if state is not None and not state.failed:
             state.failed = True
+            self._count_end(state, "error", iteration)
             state.queue.put_nowait(EngineGenerateError(
                 f"request {request_id!r} failed in the engine: {error}"))
+
+    def _count_end(self, state: _RequestState, reason: str,
+                   iteration: IterationStats | None = None, now: float | None = None) -> None:
+        """Put a request's end into the metrics once: into ``iteration`` when it ended in
+        a batch, otherwise (an abort) at once."""
+        if state.counted:
+            return
+        state.counted = True
+        ended = FinishedRequestStats(
+            reason, replace(state.metrics, finished_time=now or time.time(),
+                            inter_token_latencies=[]), state.n, state.max_tokens)
+        if iteration is not None:
+            iteration.finished.append(ended)
+        else:
+            self._notify_listeners(IterationStats(finished=[ended]))
 
     @staticmethod
     def _take_metrics(state: _RequestState, finished: bool, now: float) -> RequestMetrics:
@@ -289,10 +332,10 @@ class AsyncLLM:
         m.inter_token_latencies = []
         return snapshot
 
-    def _notify_listeners(self, outputs: list[RequestOutput]) -> None:
+    def _notify_listeners(self, iteration: IterationStats) -> None:
         for listener in list(self.stat_listeners):
             try:
-                listener(self._latest_stats, outputs)
+                listener(self._latest_stats, iteration)
             except Exception:
                 print("vllmpy: a stat listener failed:", file=sys.stderr)
                 traceback.print_exc()
@@ -313,6 +356,7 @@ class AsyncLLM:
             self.dead_error = error
         self.errored = True
         for state in self._requests.values():
+            self._count_end(state, "error")
             state.failed = True
             state.queue.put_nowait(EngineDeadError(str(error)))
 
