@@ -23,6 +23,8 @@ class ModelSource:
     path: str  # local directory (hf_dir, dummy) or file (gguf)
     hf_config: dict[str, Any]
     eos_token_ids: set[int]  # config.json plus generation_config.json
+    # --chat-template's text (checked): replaces the checkpoint's template (load_tokenizer)
+    chat_template: str | None = None
 
     @property
     def display_name(self) -> str:
@@ -91,19 +93,32 @@ def iter_checkpoint_weights(source: ModelSource,
 def load_tokenizer(source: ModelSource, tokenizer_config: str | None = None,
                    skip: bool = False) -> Any:
     """The source's tokenizer, or None when skipped or for a dummy model without
-    tokenizer.json."""
+    tokenizer.json. ``tokenizer_config`` (``--tokenizer-config``) replaces a model
+    directory's tokenizer_config.json, or is applied to a GGUF's tokenizer (see
+    ``apply_tokenizer_config``); ``source.chat_template`` (``--chat-template``) then
+    replaces whatever template that gave. A chat template that either flag brings must
+    compile."""
     if skip:
         return None
     if source.kind == "gguf":
-        if tokenizer_config is not None:
-            raise ValueError("--tokenizer-config applies to model directories, not .gguf files "
-                             "(a GGUF carries its tokenizer in its metadata)")
         from vllmpy.tokenizer.gguf_tokenizer import load_gguf_tokenizer
+        from vllmpy.tokenizer.hf import apply_tokenizer_config
 
-        return load_gguf_tokenizer(source.path)
-    if source.kind == "dummy" and not os.path.isfile(os.path.join(source.path,
-                                                                  "tokenizer.json")):
+        tokenizer = load_gguf_tokenizer(source.path)
+        if tokenizer_config is not None:
+            tokenizer = apply_tokenizer_config(tokenizer, tokenizer_config)
+    elif source.kind == "dummy" and not os.path.isfile(os.path.join(source.path,
+                                                                    "tokenizer.json")):
         return None
-    from vllmpy.tokenizer.hf import load_hf_tokenizer
+    else:
+        from vllmpy.tokenizer.hf import load_hf_tokenizer
 
-    return load_hf_tokenizer(source.path, tokenizer_config)
+        tokenizer = load_hf_tokenizer(source.path, tokenizer_config)
+    from vllmpy.tokenizer.chat_template import check_chat_template
+
+    if source.chat_template is not None:
+        tokenizer.chat_template = source.chat_template
+    elif tokenizer_config is not None and tokenizer.chat_template is not None:
+        check_chat_template(tokenizer.chat_template,
+                            f"--tokenizer-config {tokenizer_config}")
+    return tokenizer

@@ -3,7 +3,10 @@
 The environment matches transformers' `apply_chat_template`: a sandbox, `trim_blocks` and
 `lstrip_blocks`, the `loopcontrols` extension, a `tojson` filter that keeps non-ASCII text
 (`ensure_ascii=False`) and accepts `indent` / `separators` / `sort_keys`, and the globals
-`raise_exception(msg)` and `strftime_now(fmt)`.
+`raise_exception(msg)` and `strftime_now(fmt)`. One difference: reaching for an attribute
+the sandbox forbids (`''.__class__`, a list's `append`) fails the render at once with a
+`ChatTemplateError`, where Jinja's sandbox would hand back an undefined value that prints
+as nothing.
 
 Variables given to the template: `messages`, `add_generation_prompt`, `tools`, `bos_token`,
 `eos_token`, and every key of `chat_template_kwargs`. A key that is not passed is not defined at
@@ -19,7 +22,7 @@ from typing import Any
 
 import jinja2
 import jinja2.ext
-from jinja2.sandbox import ImmutableSandboxedEnvironment
+from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
 
 # Appended to the final message when continuing it, to find where its content ends.
 _CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
@@ -28,6 +31,20 @@ _RESERVED_KWARGS = frozenset({"messages", "add_generation_prompt", "tools"})
 
 class ChatTemplateError(ValueError):
     """The chat template refused the conversation, failed to parse, or failed to render."""
+
+
+class ChatTemplateSandboxError(ChatTemplateError):
+    """The chat template reached for an attribute outside Jinja's sandbox."""
+
+
+class _Sandbox(ImmutableSandboxedEnvironment):
+    """Jinja's immutable sandbox, with a forbidden attribute an error rather than an
+    undefined value: a template that reaches outside the sandbox is refused, never
+    rendered with a hole in it."""
+
+    def unsafe_undefined(self, obj: Any, attribute: str) -> jinja2.Undefined:
+        raise SecurityError(f"access to attribute {attribute!r} of {type(obj).__name__!r} "
+                            f"object is unsafe")
 
 
 def _raise_exception(message: str) -> None:
@@ -47,8 +64,7 @@ def _strftime_now(fmt: str) -> str:
 @functools.lru_cache(maxsize=64)
 def compile_chat_template(source: str) -> jinja2.Template:
     """Compile a template once; later calls with the same text reuse the compiled one."""
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[jinja2.ext.loopcontrols])
+    env = _Sandbox(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
@@ -152,8 +168,12 @@ def render_chat_template(
         rendered = compiled.render(**variables)
     except ChatTemplateError:
         raise
+    except SecurityError as e:
+        raise ChatTemplateSandboxError(f"the chat template reached outside Jinja's sandbox: "
+                                       f"{e}; a chat template may not touch Python "
+                                       f"internals") from None
     except (jinja2.TemplateError, TypeError, ValueError, KeyError, IndexError,
-            AttributeError) as e:
+            AttributeError, ArithmeticError) as e:
         raise ChatTemplateError(f"the chat template failed to render these messages: "
                                 f"{type(e).__name__}: {e}") from None
 
@@ -171,3 +191,49 @@ def _cut_after_final_message(rendered: str) -> str:
         return rendered[:at]
     # The template trimmed the message's trailing whitespace (and the tag's space with it).
     return rendered[:at].rstrip()
+
+
+# A --chat-template value with none of these characters is a path, never template text
+# (vLLM's rule).
+_TEMPLATE_CHARS = "{}\n"
+# The conversation a template given at start-up is first rendered with.
+_PROBE_MESSAGES = [{"role": "system", "content": "You are a helpful assistant."},
+                   {"role": "user", "content": "Hello!"}]
+
+
+def load_chat_template_arg(value: str, flag: str = "--chat-template") -> str:
+    """The template a ``--chat-template`` value stands for, checked as ``check_chat_template``
+    checks it: an existing file is read; a value with none of '{', '}' or a newline that
+    opens no file looks like a path and is refused (the file is missing); anything else is
+    the template text itself."""
+    try:
+        with open(value, encoding="utf-8") as f:
+            text = f.read()
+    except UnicodeDecodeError:
+        raise ChatTemplateError(f"{flag} {value!r}: the file is not UTF-8 text") from None
+    except (OSError, ValueError) as e:  # ValueError: a NUL in the value
+        if not any(c in value for c in _TEMPLATE_CHARS):
+            raise ChatTemplateError(
+                f"{flag} {value!r} looks like a file path (it has no '{{', '}}' or newline), "
+                f"but the file is missing ({e}); pass an existing template file or the "
+                f"template text itself") from None
+        text = value
+    check_chat_template(text, flag)
+    return text
+
+
+def check_chat_template(template: str, where: str) -> None:
+    """Refuse, naming ``where``, a template that does not compile (with its line) or that
+    reaches outside the sandbox when it renders a plain system + user conversation. A
+    template that fails on that conversation otherwise (``raise_exception`` on a role it
+    does not take, say) passes: each request's own conversation decides then."""
+    try:
+        compile_chat_template(template)
+    except ChatTemplateError as e:
+        raise ChatTemplateError(f"{where}: {e}") from None
+    try:
+        render_chat_template(template, _PROBE_MESSAGES, add_generation_prompt=True)
+    except ChatTemplateSandboxError as e:
+        raise ChatTemplateError(f"{where}: {e}") from None
+    except ChatTemplateError:
+        pass

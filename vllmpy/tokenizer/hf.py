@@ -11,6 +11,9 @@ replaces it -- this backs `--tokenizer-config`):
 - `chat_template`: a string, or a list of `{"name", "template"}` of which "default" is used. A
   `chat_template.jinja` file next to tokenizer.json takes precedence, as in transformers,
   except over a template in a config file named by `tokenizer_config_path`.
+
+`apply_tokenizer_config` applies such a file to a tokenizer built from GGUF metadata instead
+(`--tokenizer-config` on a `.gguf`): what it takes and what it refuses is said there.
 """
 
 from __future__ import annotations
@@ -87,7 +90,7 @@ def _special_token(backend: BackendTokenizer, config: dict[str, Any], key: str,
         return None
     token_id = backend.token_to_id(text)
     if token_id is None:
-        raise ValueError(f"{where}: {key}={text!r} is not in the vocabulary of tokenizer.json")
+        raise ValueError(f"{where}: {key}={text!r} is not in the vocabulary")
     return text, token_id
 
 
@@ -121,6 +124,11 @@ def _chat_template(model_dir: Path, config: dict[str, Any], where: Path,
     jinja_file = model_dir / "chat_template.jinja"
     if not (explicit_config and config.get("chat_template")) and jinja_file.is_file():
         return jinja_file.read_text(encoding="utf-8")
+    return _config_template(config, where)
+
+
+def _config_template(config: dict[str, Any], where: Path) -> str | None:
+    """The config's ``chat_template``: a string, or the one named "default" of a list."""
     template = config.get("chat_template")
     if template is None or isinstance(template, str):
         return template
@@ -131,3 +139,77 @@ def _chat_template(model_dir: Path, config: dict[str, Any], where: Path,
         raise ValueError(f"{where}: chat_template lists templates {sorted(map(str, named))} "
                          f"but none named 'default'")
     raise ValueError(f"{where}: chat_template must be a string or a list of named templates")
+
+
+# tokenizer_config.json keys that say how a tokenizer is built (its own vocabulary files, how
+# text is split, cleaned or cased): a tokenizer built from a GGUF file's metadata cannot
+# take them, so a set value (anything but null or false) is refused.
+GGUF_REFUSED_KEYS = ("tokenizer_file", "vocab_file", "merges_file", "add_prefix_space",
+                     "do_lower_case", "clean_up_tokenization_spaces", "split_special_tokens")
+
+
+def apply_tokenizer_config(tokenizer: Tokenizer, config_path: str | Path) -> Tokenizer:
+    """``tokenizer`` (built from a GGUF file's metadata) with a tokenizer_config.json applied,
+    as ``--tokenizer-config`` asks:
+
+    - ``chat_template`` replaces the GGUF's template (a string, or "default" of a list);
+    - ``bos_token`` / ``eos_token`` (null or absent: the GGUF's) name tokens of the GGUF
+      vocabulary: the template's ``bos_token`` / ``eos_token`` and the tokens encode adds;
+    - ``add_bos_token`` / ``add_eos_token`` replace the GGUF's own flags;
+    - ``added_tokens_decoder`` must agree with the GGUF vocabulary (id and text); an entry
+      the vocabulary has not marked as added is added.
+
+    A set value of a ``GGUF_REFUSED_KEYS`` key is refused by name. Other keys
+    (``tokenizer_class``, ``model_max_length``, ``pad_token``, ...) change nothing here,
+    as for a model directory. The engine's stop ids stay the model's."""
+    path = Path(config_path)
+    if not path.is_file():
+        raise ValueError(f"tokenizer config not found: {path}")
+    config = _read_json(path)
+    for key in GGUF_REFUSED_KEYS:
+        if config.get(key) not in (None, False):
+            raise ValueError(f"{path}: {key}={config[key]!r} cannot apply to a tokenizer built "
+                             f"from a GGUF file's metadata, whose vocabulary, splitting and "
+                             f"decoding come from the file; remove {key} or set it to null")
+    backend = tokenizer.backend
+    decoder = config.get("added_tokens_decoder") or {}
+    _check_known_tokens(backend, decoder, path)
+    _add_missing_tokens(backend, decoder, path)
+    bos = _special_token(backend, config, "bos_token", path) or _own(tokenizer, "bos")
+    eos = _special_token(backend, config, "eos_token", path) or _own(tokenizer, "eos")
+    add_bos, add_eos = _added_specials(tokenizer)
+    backend.post_processor = bos_eos_post_processor(
+        bos, eos, add_bos=bool(config.get("add_bos_token", add_bos)),
+        add_eos=bool(config.get("add_eos_token", add_eos)))
+    template = _config_template(config, path)
+    return Tokenizer(backend, bos_token_id=bos[1] if bos else None,
+                     eos_token_id=eos[1] if eos else None,
+                     chat_template=tokenizer.chat_template if template is None else template)
+
+
+def _own(tokenizer: Tokenizer, kind: str) -> tuple[str, int] | None:
+    """`(text, id)` of the tokenizer's own BOS or EOS token, or None."""
+    text, token_id = getattr(tokenizer, f"{kind}_token"), getattr(tokenizer, f"{kind}_token_id")
+    return None if text is None or token_id is None else (text, token_id)
+
+
+def _added_specials(tokenizer: Tokenizer) -> tuple[bool, bool]:
+    """(adds BOS, adds EOS): what ``encode(text, add_special_tokens=True)`` puts around a
+    text, read off an empty one (a lone id that is both BOS and EOS counts as BOS)."""
+    ids = tokenizer.backend.encode("", add_special_tokens=True).ids
+    add_bos = bool(ids) and ids[0] == tokenizer.bos_token_id
+    add_eos = len(ids) == 1 + add_bos and ids[-1] == tokenizer.eos_token_id
+    return add_bos, add_eos
+
+
+def _check_known_tokens(backend: BackendTokenizer, decoder: dict[str, Any], where: Path) -> None:
+    """An ``added_tokens_decoder`` entry for an id the vocabulary has marked as added must
+    spell the same token: a config written for another vocabulary is refused."""
+    known = backend.get_added_tokens_decoder()
+    for key, entry in decoder.items():
+        content = _token_content(entry, f"added_tokens_decoder[{key}]", where)
+        token = known.get(int(key))
+        if token is not None and content is not None and token.content != content:
+            raise ValueError(f"{where}: added_tokens_decoder gives id {key} the token "
+                             f"{content!r}, but the GGUF vocabulary has {token.content!r} "
+                             f"there: this config belongs to another vocabulary")
