@@ -14,6 +14,7 @@ from vllmpy.config import (
     ModelConfig,
     SchedulerConfig,
     TextModelConfig,
+    check_startup_flags,
     log,
 )
 from vllmpy.core.scheduler import SCHEDULING_POLICIES
@@ -204,9 +205,17 @@ def _startup_line(args: EngineArgs, cache: CacheConfig, max_model_len: int, how:
 
 def model_source(args: EngineArgs) -> ModelSource:
     """Where the arguments' model comes from (``--model``, ``--load-format``,
-    ``--revision``, ``--download-dir``); fetches it on first use."""
-    return resolve_model_source(args.model, load_format=args.load_format,
-                                revision=args.revision, download_dir=args.download_dir)
+    ``--revision``, ``--download-dir``), with ``--chat-template``'s text; fetches it on
+    first use, once ``check_startup_flags`` has passed."""
+    check_startup_flags(args, resolve_device(args.device))
+    source = resolve_model_source(args.model, load_format=args.load_format,
+                                  revision=args.revision, download_dir=args.download_dir)
+    if args.chat_template is not None:
+        from vllmpy.tokenizer.chat_template import load_chat_template_arg
+
+        source = dataclasses.replace(source,
+                                     chat_template=load_chat_template_arg(args.chat_template))
+    return source
 
 
 def build_engine_config(args: EngineArgs, source: ModelSource | None = None) -> EngineConfig:
@@ -218,6 +227,8 @@ def build_engine_config(args: EngineArgs, source: ModelSource | None = None) -> 
     device = resolve_device(args.device)
     if source is None:
         source = model_source(args)
+    else:  # most often model_source's, which checked and logged them
+        check_startup_flags(args, device, notify=False)
     text = TextModelConfig.from_hf_config(source.hf_config)
     dtype = resolve_torch_dtype(source.hf_config, args.dtype, device)
     kv_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, dtype, source)
@@ -259,6 +270,7 @@ def build_engine_config(args: EngineArgs, source: ModelSource | None = None) -> 
         eos_token_ids=frozenset(source.eos_token_ids),
         tokenizer_config=args.tokenizer_config,
         seed=args.seed,
+        max_logprobs=args.max_logprobs,
     )
     budget = args.max_num_batched_tokens or (
         DEFAULT_MAX_NUM_BATCHED_TOKENS_CUDA if device == "cuda"

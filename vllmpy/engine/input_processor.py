@@ -27,6 +27,28 @@ class ProcessedPrompt:
     core_requests: list[EngineCoreRequest]  # ids from child_request_id(request_id, i, n)
 
 
+class LogprobsLimitError(ValueError):
+    """A request asking for more logprobs than ``--max-logprobs`` allows; ``param`` names
+    the sampling field (vLLM's wording and parameter)."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def check_logprobs_limit(params: SamplingParams, max_logprobs: int, vocab_size: int) -> None:
+    """vLLM's rule: ``logprobs`` and ``prompt_logprobs`` of at most ``max_logprobs``; -1 on
+    either side stands for the whole vocabulary."""
+    limit = vocab_size if max_logprobs == -1 else max_logprobs
+    for field, kind in (("logprobs", "sample"), ("prompt_logprobs", "prompt")):
+        asked = getattr(params, field)
+        if asked == -1:
+            asked = vocab_size
+        if asked and asked > limit:
+            raise LogprobsLimitError(f"Requested {kind} logprobs of {asked}, which is greater "
+                                     f"than max allowed: {limit}", field)
+
+
 def check_cache_salt(salt: Any) -> str | None:
     """A cache salt is None or a non-empty string (vLLM's rule)."""
     if salt is not None and (not isinstance(salt, str) or not salt):
@@ -117,6 +139,7 @@ class InputProcessor:
         if outside:
             raise ValueError(f"logprob_token_ids {outside} are outside the vocabulary of "
                              f"{self.vocab_size} tokens")
+        check_logprobs_limit(params, self.model_config.max_logprobs, self.vocab_size)
         return EngineCoreRequest(
             request_id=request_id,
             prompt_token_ids=list(prompt_token_ids),

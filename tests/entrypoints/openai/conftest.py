@@ -21,7 +21,7 @@ def qwen_path() -> str:
 @pytest.fixture(scope="session")
 def server(smollm_path):
     s = start_server("--model", smollm_path, *COMMON, "--num-blocks", "128",
-                     "--max-model-len", "2048", "--enable-log-outputs")
+                     "--max-model-len", "2048", "--enable-log-outputs", "--max-logprobs", "-1")
     yield s
     s.stop()
 

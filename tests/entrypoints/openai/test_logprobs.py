@@ -88,7 +88,7 @@ def hf_model(smollm_path):
 def llm(smollm_path):
     # A small step budget splits the long prompt into several prefill chunks.
     return LLM(smollm_path, device="cpu", dtype="float32", num_blocks=64, max_model_len=512,
-               max_num_batched_tokens=8)
+               max_num_batched_tokens=8, max_logprobs=-1)
 
 
 @torch.inference_mode()

@@ -29,6 +29,7 @@ from vllmpy.engine.async_llm import AsyncLLM
 from vllmpy.engine.configure import kv_cache_dtype_name
 from vllmpy.entrypoints.openai.cli_args import resolve_output_parsers
 from vllmpy.entrypoints.openai.errors import OpenAIError, error_body
+from vllmpy.entrypoints.openai.multimodal_limits import request_limits
 from vllmpy.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -123,6 +124,7 @@ def build_app(engine: AsyncLLM, args: argparse.Namespace, served_model_name: str
         max_log_len=args.max_log_len,
         tool_parser=tool_parser,
         reasoning_parser=reasoning_parser,
+        mm_limits=args.mm_limits,
     )
     completions, chat = CompletionHandler(ctx), ChatHandler(ctx)
     tokenization = TokenizationHandler(ctx)
@@ -190,7 +192,9 @@ def build_app(engine: AsyncLLM, args: argparse.Namespace, served_model_name: str
 
     @app.post("/v1/chat/completions")
     async def create_chat_completion(raw: Request) -> Response:
-        return await run_or_stream(raw, chat, await parse_body(raw, ChatCompletionRequest))
+        with request_limits(ctx.mm_limits):  # a multimodal part's 400 names the limit
+            req = await parse_body(raw, ChatCompletionRequest)
+        return await run_or_stream(raw, chat, req)
 
     @app.get("/v1/models")
     async def list_models() -> JSONResponse:

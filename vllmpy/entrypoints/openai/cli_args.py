@@ -4,6 +4,10 @@ Bad flags exit 2 with one line: ``server: unknown argument '<flag>'``. Two recip
 are accepted with a notice because they mean nothing here; every other unknown flag,
 parallelism flags included, is refused so nobody believes they got what they asked for.
 
+The engine flags that need no model (``check_startup_flags``: ``--chat-template``,
+``--kv-transfer-config``, ...) are checked here too, so such a refusal comes before the
+engine core starts.
+
 ``--tool-call-parser`` and ``--reasoning-parser`` take a registered parser name, ``auto``
 (resolved from the chat template once the model is loaded: ``resolve_output_parsers``) or
 ``none``.
@@ -15,8 +19,9 @@ import argparse
 import os
 import sys
 
-from vllmpy.config import EngineArgs
+from vllmpy.config import EngineArgs, check_startup_flags
 from vllmpy.entrypoints.arg_utils import OneLineArgumentParser
+from vllmpy.entrypoints.openai.multimodal_limits import parse_limits
 from vllmpy.entrypoints.openai.tool_parsers import TOOL_PARSERS, detect_tool_parser
 from vllmpy.reasoning import REASONING_PARSERS, detect_reasoning_parser
 
@@ -78,6 +83,15 @@ def make_parser() -> OneLineArgumentParser:
     g.add_argument("--reasoning-parser", default="none",
                    help="splits reasoning_content off the output; auto detects it from the "
                         "chat template, none turns it off (default none)")
+    g.add_argument("--limit-mm-per-prompt", default=None,
+                   help="most multimodal items per prompt per modality, vLLM's JSON "
+                        "('{\"image\": 2}', options such as '{\"video\": {\"count\": 1, "
+                        "\"num_frames\": 32}}' validated and ignored); this server takes "
+                        "text only, so every multimodal part is refused")
+    g.add_argument("--language-model-only", dest="language_model_only", action="store_true",
+                   default=False, help="set every modality's limit to 0")
+    g.add_argument("--no-language-model-only", dest="language_model_only",
+                   action="store_false", help="leave the modality limits as given (default)")
     for flag in INERT_FLAGS:
         g.add_argument(flag, action="store_true", help=f"accepted, no effect: {INERT_FLAGS[flag]}")
     EngineArgs.add_cli_args(p)
@@ -104,6 +118,16 @@ def parse_server_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"--port must be in 1..65535, got {args.port}")
     if args.max_log_len < 0:
         parser.error(f"--max-log-len must be >= 0, got {args.max_log_len}")
+    try:
+        args.mm_limits = parse_limits(args.limit_mm_per_prompt, args.language_model_only)
+        # the engine core checks them again, and logs what they warn of
+        check_startup_flags(EngineArgs.from_cli_args(args), args.device, notify=False)
+    except ValueError as e:
+        parser.error(str(e))
+    if args.mm_limits.dropped:
+        print(f"{PROG}: --limit-mm-per-prompt: dropped {', '.join(args.mm_limits.dropped)}: "
+              f"only 'count' is read for a modality other than image, video and audio, as "
+              f"upstream", file=sys.stderr)
     return args
 
 

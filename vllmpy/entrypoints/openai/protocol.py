@@ -31,11 +31,11 @@ from pydantic import (
 )
 
 from vllmpy.entrypoints.openai.errors import FieldError, bad_request, validation_error_to_openai
+from vllmpy.entrypoints.openai.multimodal_limits import active_limits, content_refusal
 from vllmpy.sampling_params import RequestOutputKind, SamplingParams
 from vllmpy.structured_output import StructuredOutputsParams, validate_structured_outputs
 
 _LONG_MIN, _LONG_MAX = -(2**63), 2**63 - 1
-MAX_LOGPROBS = 20  # the largest logprobs / top_logprobs a request may ask for
 # The OpenAI default for /v1/completions when the request does not mention max_tokens.
 COMPLETION_DEFAULT_MAX_TOKENS = 16
 # chat_template_kwargs keys the renderer supplies itself.
@@ -111,7 +111,8 @@ class TextContentPart(OpenAIBaseModel):
 
 
 def _check_content(value: Any) -> Any:
-    """A message's content: a string, null, or a list of ``{"type": "text", "text": ...}``."""
+    """A message's content: a string, null, or a list of ``{"type": "text", "text": ...}``;
+    a multimodal part is refused as ``multimodal_limits.content_refusal`` words it."""
     if value is None or isinstance(value, str):
         return value
     if not isinstance(value, list):
@@ -119,9 +120,10 @@ def _check_content(value: Any) -> Any:
     for i, part in enumerate(value):
         if not isinstance(part, dict) or not isinstance(part.get("type"), str):
             raise ValueError(f"content part {i} must be an object with a string 'type'")
-        if part["type"] != "text":
-            raise ValueError(f"content part type {part['type']!r} is not supported: "
-                             "this server takes text parts only")
+    refusal = content_refusal(active_limits(), value)
+    if refusal is not None:
+        raise ValueError(refusal)
+    for i, part in enumerate(value):
         if not isinstance(part.get("text"), str):
             raise ValueError(f"content part {i} of type 'text' needs a string 'text'")
     return value
@@ -194,16 +196,17 @@ def _check_generation_prompt(add_generation_prompt: bool, continue_final_message
 
 
 def _check_logprobs_count(value: Any, info: ValidationInfo) -> Any:
-    """A logprobs count: an integer in [0, MAX_LOGPROBS], or -1 for the whole vocabulary."""
+    """A logprobs count's shape: an integer >= 0, or -1 for the whole vocabulary. The
+    engine bounds it (``--max-logprobs``)."""
     if value is None:
         return value
     name = info.field_name
     whole = (isinstance(value, int) and not isinstance(value, bool)) or (
         isinstance(value, float) and value.is_integer())
-    if not whole or not (value == -1 or 0 <= value <= MAX_LOGPROBS):
+    if not whole or value < -1:
         raise FieldError(name or "logprobs",
-                         f"{name} must be an integer from 0 to {MAX_LOGPROBS}, or -1 for "
-                         f"the whole vocabulary, got {value!r}")
+                         f"{name} must be an integer >= 0, or -1 for the whole vocabulary, "
+                         f"got {value!r}")
     return int(value)
 
 

@@ -7,7 +7,7 @@ import asyncio
 import json
 import time
 from collections.abc import AsyncIterator, Awaitable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import pydantic
@@ -16,6 +16,7 @@ from starlette.requests import Request
 from vllmpy import envs
 from vllmpy.engine.async_llm import AsyncLLM, EngineDeadError, EngineGenerateError
 from vllmpy.entrypoints.openai.errors import OpenAIError, validation_error_to_openai
+from vllmpy.entrypoints.openai.multimodal_limits import MultimodalLimits
 from vllmpy.entrypoints.openai.protocol import (
     ChatCompletionLogProb,
     ChatCompletionLogProbs,
@@ -46,6 +47,8 @@ class ServerContext:
     max_log_len: int
     tool_parser: str | None = None  # the resolved --tool-call-parser; None: off
     reasoning_parser: str | None = None  # the resolved --reasoning-parser; None: off
+    # --limit-mm-per-prompt / --language-model-only: what a multimodal part is refused with
+    mm_limits: MultimodalLimits = field(default_factory=MultimodalLimits)
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.served_model_name:
