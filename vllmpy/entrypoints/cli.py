@@ -8,13 +8,13 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from dataclasses import dataclass
+from typing import Any
 
 from vllmpy.config import EngineArgs
 from vllmpy.entrypoints.arg_utils import OneLineArgumentParser
 
 PROG = "vllm-cli"
-
-
 
 
 def make_parser() -> OneLineArgumentParser:
@@ -30,7 +30,8 @@ def make_parser() -> OneLineArgumentParser:
     p.add_argument("--speculative-config", default=None,
                    help="speculative decoding (vLLM's JSON); not supported yet")
     p.add_argument("--repeat", type=int, default=None,
-                   help="load once, run N completions, report each run on stderr")
+                   help="load once, run N completions (streamed with --stream), report "
+                        "each run on stderr")
     EngineArgs.add_cli_args(p)
     return p
 
@@ -42,11 +43,16 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         parser.error("--speculative-config: speculative decoding is not supported yet")
     if args.repeat is not None and args.repeat < 1:
         parser.error(f"--repeat must be >= 1, got {args.repeat}")
-    if args.stream and args.repeat not in (None, 1):
-        print(f"{PROG}: --repeat is not supported with --stream; running once",
-              file=sys.stderr)
-        args.repeat = 1
     return args
+
+
+@dataclass
+class _Run:
+    """What one completion reports: its finish reason and token counts."""
+
+    finish_reason: str | None
+    prompt_tokens: int
+    completion_tokens: int  # 0 unless it finished; streamed: the ids as they arrived
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -66,32 +72,48 @@ def main(argv: list[str] | None = None) -> int:
     for run in range(1, runs + 1):
         try:
             start_unix, start = time.time(), time.perf_counter()
-            if args.stream:
-                out = None
-                for out in llm.generate_stream(args.prompt, params):
-                    sys.stdout.write(out.outputs[0].text)
-                    sys.stdout.flush()
-                sys.stdout.write("\n")
-            else:
-                out = llm.generate(args.prompt, params, use_tqdm=False)[0]
-                sys.stdout.write(out.outputs[0].text + "\n")
-            sys.stdout.flush()
+            run_once = _stream if args.stream else _complete
+            done = run_once(llm, args.prompt, params)
             secs = time.perf_counter() - start
             end_unix = time.time()
         except ValueError as e:
             print(f"{PROG}: {e}", file=sys.stderr)
             return 2
-        if args.repeat is not None and out is not None:
-            _report(run, runs, out, secs, start_unix, end_unix)
+        if args.repeat is not None and done is not None:
+            _report(run, runs, done, secs, start_unix, end_unix)
     return 0
 
 
-def _report(run: int, runs: int, out, secs: float, start_unix: float, end_unix: float) -> None:
+def _complete(llm: Any, prompt: str, params: Any) -> _Run:
+    out = llm.generate(prompt, params, use_tqdm=False)[0]
     completion = out.outputs[0]
-    n_out = len(completion.token_ids) if out.finished else 0
-    tok_s = n_out / secs if secs > 0 else 0.0
-    print(f"{PROG}: run={run}/{runs} finish_reason={completion.finish_reason} "
-          f"prompt_tokens={len(out.prompt_token_ids)} completion_tokens={n_out} "
+    sys.stdout.write(completion.text + "\n")
+    sys.stdout.flush()
+    return _Run(completion.finish_reason, len(out.prompt_token_ids),
+                len(completion.token_ids) if out.finished else 0)
+
+
+def _stream(llm: Any, prompt: str, params: Any) -> _Run | None:
+    """Write each delta's text as it comes; count the token ids the deltas carried."""
+    out, streamed = None, 0
+    for out in llm.generate_stream(prompt, params):
+        delta = out.outputs[0]
+        streamed += len(delta.token_ids)
+        sys.stdout.write(delta.text)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    sys.stdout.flush()
+    if out is None:
+        return None
+    return _Run(out.outputs[0].finish_reason, len(out.prompt_token_ids),
+                streamed if out.finished else 0)
+
+
+def _report(run: int, runs: int, done: _Run, secs: float, start_unix: float,
+            end_unix: float) -> None:
+    tok_s = done.completion_tokens / secs if secs > 0 else 0.0
+    print(f"{PROG}: run={run}/{runs} finish_reason={done.finish_reason} "
+          f"prompt_tokens={done.prompt_tokens} completion_tokens={done.completion_tokens} "
           f"secs={secs:.3f} tok_s={tok_s:.3f}", file=sys.stderr)
     print(f"{PROG}: run={run}/{runs} generate_start_unix={start_unix:.6f} "
           f"generate_end_unix={end_unix:.6f}", file=sys.stderr, flush=True)
