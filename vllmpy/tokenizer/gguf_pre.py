@@ -26,10 +26,10 @@ Names, rules, and the oracle each is checked against (tests/tokenizer/test_gguf_
 | pre | rule | oracle |
 |---|---|---|
 | qwen2 | Qwen2: one digit at a time, letters with one leading non-letter | llama.cpp's golden vectors (ggml-vocab-qwen2), transformers on Qwen2.5-Coder |
-| qwen35 | Qwen2's, with combining marks inside letter runs | llama.cpp's golden vectors (ggml-vocab-qwen35) |
+| qwen35 | Qwen2's, with combining marks inside letter runs | llama.cpp's golden vectors (ggml-vocab-qwen35), and test-tokenizer-0 on more texts (golden file) |
 | llama-bpe | Llama 3: Qwen2's with digits in groups of up to three; whole-token pieces unmerged | llama.cpp's golden vectors (ggml-vocab-llama-bpe) |
 | gpt-4o, llama4, kanana2, talkie | o200k: case-aware letter runs with a contraction suffix, `\\p{N}{1,3}` | llama.cpp's test-tokenizer-0 on Tekken's vocabulary (golden file); Tekken's pattern for the shared classes |
-| deepseek-llm | DeepSeek LLM's six stages: newlines, cased-letter runs, ASCII/full-width punctuation, trailing space, CJK, digit runs | llama.cpp's golden vectors (ggml-vocab-deepseek-llm) |
+| deepseek-llm | DeepSeek LLM's six stages: newlines, cased-letter runs, ASCII/full-width punctuation, trailing space, CJK, digit runs | llama.cpp's golden vectors (ggml-vocab-deepseek-llm), and test-tokenizer-0 on more texts (golden file) |
 | deepseek-v3, joyai-llm | DeepSeek V3's three stages: `\\p{N}{1,3}`, CJK/kana runs, then the main alternation | DeepSeek-V3's tokenizer.json; llama.cpp's test-tokenizer-0 (golden file) |
 | laguna | newline runs apart, then Qwen2's | llama.cpp's test-tokenizer-0 on the Qwen2 vocabulary (golden file) |
 | gpt-2 | GPT-2's own regex | llama.cpp's golden vectors (ggml-vocab-gpt-2) |

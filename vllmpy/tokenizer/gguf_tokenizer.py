@@ -7,8 +7,9 @@ file (`AutoTokenizer.from_pretrained(dir, gguf_file=...)`), except that the spli
 names transformers does not know, or splits otherwise than llama.cpp, are llama.cpp's (gguf_pre.py
 lists every rule, says where transformers differs, and names the oracle each is checked against):
 
-- vocabulary: tokens spelled in the byte alphabet as they are; any other token (rare) re-spelled
-  byte by byte from its UTF-8 text;
+- vocabulary: tokens spelled in the byte alphabet as they are, added tokens written in plain text
+  (DeepSeek's `<｜begin▁of▁sentence｜>`) as they are too, any other token (rare) re-spelled byte by
+  byte from its UTF-8 text (see `_vocabulary`);
 - control tokens (type 3) become special added tokens (matched whole in text, dropped by
   `decode(skip_special_tokens=True)`); user-defined tokens (type 4, e.g. `<tool_call>`) become
   plain added tokens (matched whole, kept on decode); BOS/EOS/UNK/PAD are special too;
@@ -29,6 +30,9 @@ llama.cpp's `default` splits punctuation runs and digits off first. We follow tr
 `llama-bpe` note: we follow llama.cpp in taking a piece that is a whole vocabulary token as that
 token (see gguf_pre.py). When the file has no `tokenizer.ggml.add_bos_token`, llama.cpp adds BOS
 for this name and we, like transformers, do not; converted Llama 3 files carry the key.
+Added tokens in plain text: transformers re-spells them byte by byte and then leaves a control
+one out or appends it past the vocabulary under a new id; we keep each at its own id and match it
+whole in text, as llama.cpp does (no file transformers is compared on has one).
 """
 
 from __future__ import annotations
@@ -90,16 +94,10 @@ def tokenizer_from_metadata(meta: dict[str, Any], where: str = "GGUF file") -> T
         raise ValueError(f"{where}: tokenizer.ggml.token_type has {len(token_types)} entries "
                          f"for {len(tokens)} tokens")
 
-    alphabet = set(byte_level_alphabet().values())
-    spell = byte_level_alphabet()
-
-    def byte_spelling(token: str) -> str:
-        if set(token) <= alphabet:
-            return token
-        return "".join(spell[b] for b in token.encode("utf-8"))
-
-    # A token listed twice maps to its last id, as in llama.cpp and transformers.
-    vocab = {byte_spelling(tok): i for i, tok in enumerate(tokens)}
+    special_ids = {meta.get(f"tokenizer.ggml.{k}_token_id")
+                   for k in ("bos", "eos", "unknown", "padding")} - {None}
+    added_ids = special_ids | {i for i, kind in enumerate(token_types)
+                               if kind in (_CONTROL, _USER_DEFINED)}
     pairs = []
     for n, merge in enumerate(merges):
         left, sep, right = merge.partition(" ")
@@ -107,21 +105,16 @@ def tokenizer_from_metadata(meta: dict[str, Any], where: str = "GGUF file") -> T
             raise ValueError(f"{where}: tokenizer.ggml.merges[{n}]={merge!r} is not 'A B'")
         pairs.append((left, right))
     rule = SPLIT_RULES[pre]
-    backend = BackendTokenizer(BPE(vocab=vocab, merges=pairs, fuse_unk=False,
-                                   ignore_merges=rule.ignore_merges))
+    backend = BackendTokenizer(BPE(vocab=_vocabulary(tokens, added_ids), merges=pairs,
+                                   fuse_unk=False, ignore_merges=rule.ignore_merges))
     backend.pre_tokenizer = rule.pre_tokenizer()
     backend.decoder = decoders.ByteLevel()
-
-    special_ids = {meta.get(f"tokenizer.ggml.{k}_token_id")
-                   for k in ("bos", "eos", "unknown", "padding")} - {None}
-    special = [AddedToken(tok, normalized=False, special=True)
-               for i, (tok, kind) in enumerate(zip(tokens, token_types))
-               # A control token outside the byte alphabet is a mislabel in the file.
-               if (kind == _CONTROL and set(tok) <= alphabet) or i in special_ids]
-    backend.add_special_tokens(special)
-    user = [AddedToken(tok, normalized=False, special=False)
-            for tok, kind in zip(tokens, token_types) if kind == _USER_DEFINED and tok in vocab]
-    backend.add_tokens(user)
+    backend.add_special_tokens([AddedToken(tok, normalized=False, special=True)
+                                for i, (tok, kind) in enumerate(zip(tokens, token_types))
+                                if kind == _CONTROL or i in special_ids])
+    backend.add_tokens([AddedToken(tok, normalized=False, special=False)
+                        for i, (tok, kind) in enumerate(zip(tokens, token_types))
+                        if kind == _USER_DEFINED and i not in special_ids])
 
     bos_id = _token_id(meta, "bos", len(tokens), where)
     eos_id = _token_id(meta, "eos", len(tokens), where)
@@ -133,6 +126,25 @@ def tokenizer_from_metadata(meta: dict[str, Any], where: str = "GGUF file") -> T
     )
     return Tokenizer(backend, bos_token_id=bos_id, eos_token_id=eos_id,
                      chat_template=meta.get("tokenizer.chat_template"))
+
+
+def _vocabulary(tokens: list[str], added_ids: set[int]) -> dict[str, int]:
+    """Token spelling -> id for the BPE model.
+
+    A token spelled in the byte alphabet keeps its spelling. An added token (control,
+    user-defined, or a BOS/EOS/UNK/PAD id) written in plain text, as converters write
+    DeepSeek's `<｜begin▁of▁sentence｜>`, keeps its text, so that finding it in a text gives
+    its own id. Any other token is re-spelled byte by byte from its UTF-8 text. A spelling
+    listed twice maps to its last id, as in llama.cpp and transformers.
+    """
+    spell = byte_level_alphabet()
+    alphabet = set(spell.values())
+    vocab = {}
+    for i, token in enumerate(tokens):
+        if not set(token) <= alphabet and i not in added_ids:
+            token = "".join(spell[b] for b in token.encode("utf-8"))
+        vocab[token] = i
+    return vocab
 
 
 def _required(meta: dict[str, Any], key: str, where: str) -> Any:
