@@ -56,6 +56,21 @@ def check_cache_salt(salt: Any) -> str | None:
     return salt
 
 
+class RequestTooLongError(ValueError):
+    """The prompt and max_tokens together do not fit the serving length."""
+
+    param = "max_tokens"
+
+
+def check_unicode(text: str, what: str) -> None:
+    """Refuse text that holds a lone surrogate (it cannot be encoded, so not tokenized)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{what} is not valid Unicode text: it holds a lone surrogate "
+                         f"{text[e.start]!r} at character {e.start}") from None
+
+
 class InputProcessor:
     def __init__(self, model_config: ModelConfig, tokenizer: Any | None,
                  scheduling_policy: str = "fcfs") -> None:
@@ -80,6 +95,7 @@ class InputProcessor:
                 raise ValueError("no tokenizer is loaded (--skip-tokenizer-init, or a dummy-"
                                  "weight model without tokenizer.json); pass prompt token ids "
                                  "instead of text")
+            check_unicode(prompt, "the prompt")
             return prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
         if isinstance(prompt, (list, tuple)):
             ids = list(prompt)
@@ -124,6 +140,15 @@ class InputProcessor:
         if n >= max_len:
             raise ValueError(f"the prompt is {n} tokens, at or past max_model_len ({max_len}): "
                              f"at most {max_len - 1} prompt tokens leave room to generate")
+        if params.max_tokens is not None and params.max_tokens > 0 \
+                and n + params.max_tokens > max_len:
+            raise RequestTooLongError(
+                f"This model's maximum context length is {max_len} tokens. However, you "
+                f"requested {n + params.max_tokens} tokens ({n} in the prompt, "
+                f"{params.max_tokens} in the completion). Please reduce the length of the "
+                f"prompt or max_tokens (at most {max_len - n} here).")
+        for stop in params.stop_strings or ():
+            check_unicode(stop, "a stop string")
         if params.stop_strings and (self.tokenizer is None or not params.detokenize):
             raise ValueError("stop strings need detokenized text: this request has no "
                              "tokenizer or detokenize=False; use stop_token_ids instead")

@@ -30,11 +30,15 @@ from vllmpy.engine.configure import kv_cache_dtype_name
 from vllmpy.entrypoints.openai.cli_args import resolve_output_parsers
 from vllmpy.entrypoints.openai.errors import OpenAIError, error_body
 from vllmpy.entrypoints.openai.multimodal_limits import request_limits
+from vllmpy.entrypoints.openai.openapi import document
 from vllmpy.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
     ModelCard,
     ModelList,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
 )
 from vllmpy.entrypoints.openai.serving_chat import ChatHandler
 from vllmpy.entrypoints.openai.serving_common import (
@@ -161,8 +165,11 @@ def build_app(engine: AsyncLLM, args: argparse.Namespace, served_model_name: str
     async def http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
         if e.status_code == 404:
             return _error(404, f"no route {request.method} {request.url.path}")
-        if e.status_code == 405:
-            return _error(405, f"method {request.method} is not allowed on {request.url.path}")
+        if e.status_code == 405:  # keeps Starlette's Allow header
+            response = _error(405, f"method {request.method} is not allowed on "
+                                   f"{request.url.path}")
+            response.headers.update(e.headers or {})
+            return response
         return _error(e.status_code, str(e.detail))
 
     @app.exception_handler(RequestValidationError)
@@ -210,8 +217,12 @@ def build_app(engine: AsyncLLM, args: argparse.Namespace, served_model_name: str
             return _error(503, f"engine is not healthy: {e}")
         return Response(status_code=200)
 
-    @app.api_route("/ping", methods=["GET", "POST"])
+    @app.get("/ping")
     async def ping() -> Response:
+        return await health()
+
+    @app.post("/ping")
+    async def ping_post() -> Response:
         return await health()
 
     @app.get("/version")
@@ -245,6 +256,10 @@ def build_app(engine: AsyncLLM, args: argparse.Namespace, served_model_name: str
     async def reset_prefix_cache() -> JSONResponse:
         return JSONResponse({"success": bool(await engine.reset_prefix_cache())})
 
+    document(app, {"/v1/completions": [CompletionRequest],
+                   "/v1/chat/completions": [ChatCompletionRequest],
+                   "/tokenize": [TokenizeCompletionRequest, TokenizeChatRequest],
+                   "/detokenize": [DetokenizeRequest]})
     return app
 
 

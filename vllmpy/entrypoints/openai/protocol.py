@@ -471,7 +471,7 @@ class CompletionRequest(_SamplingRequest):
 
     prompt: str | list[str] | list[int] | list[list[int]]
     best_of: int | None = None
-    logprobs: int | None = None  # the top alternatives per token: 0..20, -1 all
+    logprobs: int | None = None  # the top alternatives per token (-1: all), bounded by --max-logprobs
     max_tokens: int | None = COMPLETION_DEFAULT_MAX_TOKENS
     suffix: str | None = None
     add_special_tokens: bool = True
@@ -534,7 +534,7 @@ class ChatCompletionRequest(_SamplingRequest):
 
     messages: list[ChatMessageParam] = Field(min_length=1)
     logprobs: bool | None = False
-    top_logprobs: int | None = None  # alternatives per token with logprobs: 0..20, -1 all
+    top_logprobs: int | None = None  # alternatives per token with logprobs (-1: all), bounded by --max-logprobs
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     tools: list[ChatCompletionToolParam] | None = None
@@ -557,8 +557,9 @@ class ChatCompletionRequest(_SamplingRequest):
     def _check_tool_choice(cls, value: Any) -> Any:
         if value is None or value in ("none", "auto", "required"):
             return value
-        if isinstance(value, dict) and value.get("type") == "function" and isinstance(
-                (value.get("function") or {}).get("name"), str):
+        function = value.get("function") if isinstance(value, dict) else None
+        if (isinstance(value, dict) and value.get("type") == "function"
+                and isinstance(function, dict) and isinstance(function.get("name"), str)):
             return value
         raise ValueError(f"tool_choice must be 'none', 'auto', 'required' or "
                          f"{{\"type\": \"function\", \"function\": {{\"name\": ...}}}}, "

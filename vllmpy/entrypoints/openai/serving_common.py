@@ -51,8 +51,9 @@ class ServerContext:
     mm_limits: MultimodalLimits = field(default_factory=MultimodalLimits)
 
     def check_model(self, model: str | None) -> None:
+        """An unknown model name is a 404 NotFoundError, as OpenAI and vLLM answer."""
         if model is not None and model != self.served_model_name:
-            raise OpenAIError(400, f"The model `{model}` does not exist; this server serves "
+            raise OpenAIError(404, f"The model `{model}` does not exist; this server serves "
                               f"`{self.served_model_name}`", param="model")
 
     def stream_usage(self, options: Any) -> tuple[bool, bool]:
@@ -77,10 +78,41 @@ async def parse_body(raw: Request, model: type[M]) -> M:
     if not isinstance(data, dict):
         raise OpenAIError(400, f"the request body must be a JSON object, got "
                           f"{type(data).__name__}")
+    # Only a \uD8xx escape can make one, so most bodies skip the walk.
+    where = _lone_surrogate_at(data) if b"\\u" in body else None
+    if where is not None:
+        raise OpenAIError(400, f"{where or 'the body'}: a string holds a lone UTF-16 surrogate "
+                          f"(an unpaired \\ud800-\\udfff escape), which is not valid Unicode "
+                          f"text", param=where or None)
     try:
         return model.model_validate(data)
     except pydantic.ValidationError as e:
         raise validation_error_to_openai(e) from None
+
+
+def _lone_surrogate_at(value: Any, path: str = "") -> str | None:
+    """The dotted path of the first string (or key) in decoded JSON that is not valid
+    Unicode (JSON lets ``"\\ud800"`` through; nothing downstream can encode it), or None."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path
+        return None
+    if isinstance(value, dict):
+        for key, item in value.items():
+            inner = f"{path}.{key}" if path else str(key)
+            found = _lone_surrogate_at(key, inner)
+            if found is None:
+                found = _lone_surrogate_at(item, inner)
+            if found is not None:
+                return found
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            found = _lone_surrogate_at(item, f"{path}.{i}" if path else str(i))
+            if found is not None:
+                return found
+    return None
 
 
 def check_prompt_bytes(ctx: ServerContext, text: str, param: str = "prompt") -> None:
@@ -110,7 +142,7 @@ def validate_prompt(ctx: ServerContext, ids: list[int], params: SamplingParams,
     try:
         ctx.engine.input_processor.process("validate", ids, params)
     except ValueError as e:
-        raise OpenAIError(400, str(e)) from None
+        raise OpenAIError(400, str(e), param=getattr(e, "param", None)) from None
 
 
 async def merged_outputs(engine: AsyncLLM, jobs: list[tuple[Any, SamplingParams, str]],
