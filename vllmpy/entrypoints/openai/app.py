@@ -149,13 +149,13 @@ def build_app(engine: AsyncLLM, args: argparse.Namespace, served_model_name: str
 
     app = FastAPI(title="vllmpy", version=vllmpy.__version__, docs_url=None, redoc_url=None,
                   lifespan=lifespan)
-    if args.allowed_origins:
+    app.state.max_body_bytes = args.max_request_body_bytes  # read_body's limit
+    app.add_middleware(RequestGuard, max_body_bytes=args.max_request_body_bytes,
+                       api_key=args.api_key, engine=engine)
+    if args.allowed_origins:  # outermost: preflights pass, and refusals carry the headers
         origins = [o.strip() for o in args.allowed_origins.split(",") if o.strip()]
         app.add_middleware(CORSMiddleware, allow_origins=origins, allow_methods=["*"],
                            allow_headers=["*"], allow_credentials=True)
-
-    app.add_middleware(RequestGuard, max_body_bytes=args.max_request_body_bytes,
-                       api_key=args.api_key, engine=engine)
 
     @app.exception_handler(OpenAIError)
     async def openai_error(_: Request, e: OpenAIError) -> JSONResponse:

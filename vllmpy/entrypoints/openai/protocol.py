@@ -36,6 +36,8 @@ from vllmpy.sampling_params import RequestOutputKind, SamplingParams
 from vllmpy.structured_output import StructuredOutputsParams, validate_structured_outputs
 
 _LONG_MIN, _LONG_MAX = -(2**63), 2**63 - 1
+# The most completions one request may ask for (OpenAI's bound on n).
+MAX_N = 128
 # The OpenAI default for /v1/completions when the request does not mention max_tokens.
 COMPLETION_DEFAULT_MAX_TOKENS = 16
 # chat_template_kwargs keys the renderer supplies itself.
@@ -67,6 +69,13 @@ _REFUSED_EXTRAS: dict[str, str] = {
     "prediction": "prediction (predicted outputs) is not supported",
     "audio": "audio output is not supported",
 }
+
+
+def ignored_fields(request: BaseModel) -> list[str]:
+    """Top-level fields of a request that nothing reads (unknown to this server): they are
+    served around and named in a warning, as vLLM does."""
+    known = {*_REFUSED_EXTRAS, *_GUIDED_FIELDS, "structured_outputs"}
+    return sorted(k for k in (request.model_extra or {}) if k not in known)
 
 
 def random_id(prefix: str) -> str:
@@ -307,7 +316,7 @@ class _SamplingRequest(OpenAIBaseModel):
     model: str | None = None
     frequency_penalty: float | None = Field(0.0, ge=-2.0, le=2.0)
     logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
-    n: int = Field(1, ge=1)
+    n: int = Field(1, ge=1, le=MAX_N)  # null means 1, as OpenAI's spec has it
     presence_penalty: float | None = Field(0.0, ge=-2.0, le=2.0)
     seed: int | None = Field(None, ge=_LONG_MIN, le=_LONG_MAX)
     stop: str | list[str] | None = None
@@ -340,6 +349,11 @@ class _SamplingRequest(OpenAIBaseModel):
 
     _response_format = field_validator("response_format", mode="before")(
         _check_response_format)
+
+    @field_validator("n", mode="before")
+    @classmethod
+    def _null_n(cls, value: Any) -> Any:
+        return 1 if value is None else value
 
     @field_validator("cache_salt")
     @classmethod

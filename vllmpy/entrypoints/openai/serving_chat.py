@@ -77,7 +77,11 @@ class ChatHandler:
         validate_prompt(self.ctx, ids, params, req.priority)
         request_id = random_id("chatcmpl")
         if self.ctx.log_requests:
-            self.ctx.log(request_id, f"chat prompt_tokens={len(ids)} params={params!r}")
+            # a token is at least one character: the first max_log_len + 1 are enough
+            head = ids[:self.ctx.max_log_len + 1]
+            prompt = self.ctx.engine.tokenizer.decode(head, skip_special_tokens=False)
+            self.ctx.log(request_id, f"chat prompt={self.ctx.clip(prompt)} "
+                                     f"prompt_tokens={len(ids)} params={params!r}")
         return request_id, ids, params
 
     def _logprobs(self, params: SamplingParams,
@@ -104,7 +108,7 @@ class ChatHandler:
                 finish_reason=finish_reason, stop_reason=c.stop_reason,
                 logprobs=self._logprobs(params, c)))
             if self.ctx.log_outputs:
-                self.ctx.log(request_id, f"output {c.index}: {c.text!r}")
+                self.ctx.log(request_id, f"output {c.index}: {self.ctx.clip(c.text)}")
         completion_tokens = sum(len(c.token_ids) for c in final.outputs)
         return ChatCompletionResponse(
             id=request_id, model=self.ctx.served_model_name, choices=choices,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sys
 import time
 from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass, field
@@ -25,6 +26,7 @@ from vllmpy.entrypoints.openai.protocol import (
     PromptLogprobsJSON,
     PromptTokenUsageInfo,
     UsageInfo,
+    ignored_fields,
 )
 from vllmpy.outputs import Logprob, PromptLogprobs, RequestOutput
 from vllmpy.sampling_params import SamplingParams
@@ -61,16 +63,38 @@ class ServerContext:
         include = self.force_include_usage or bool(options and options.include_usage)
         return include, include and bool(options and options.continuous_usage_stats)
 
-    def log(self, request_id: str, what: str) -> None:
-        import sys
+    def clip(self, text: str) -> str:
+        """A prompt or output as logged: its repr, cut to --max-log-len characters (the
+        line around it is whole)."""
+        if len(text) <= self.max_log_len:
+            return repr(text)
+        return f"{text[:self.max_log_len]!r}... (cut to {self.max_log_len} characters)"
 
-        text = what if len(what) <= self.max_log_len else what[:self.max_log_len] + "..."
-        print(f"server: {request_id}: {text}", file=sys.stderr, flush=True)
+    def log(self, request_id: str, what: str) -> None:
+        print(f"server: {request_id}: {what}", file=sys.stderr, flush=True)
+
+
+async def read_body(raw: Request) -> bytes:
+    """The request body, refused with a 413 once it passes the server's limit (also for a
+    chunked body, which announces no length); read once, then cached."""
+    cached = getattr(raw, "_body", None)
+    if cached is not None:
+        return cached
+    limit = getattr(raw.app.state, "max_body_bytes", None)
+    chunks, size = [], 0
+    async for chunk in raw.stream():
+        size += len(chunk)
+        if limit is not None and size > limit:
+            raise OpenAIError(413, f"request body exceeds the limit of {limit} bytes")
+        chunks.append(chunk)
+    raw._body = b"".join(chunks)  # what Request.body() returns from now on
+    return raw._body
 
 
 async def parse_body(raw: Request, model: type[M]) -> M:
-    """JSON body -> request model; malformed JSON and bad fields are 400s naming the problem."""
-    body = await raw.body()
+    """JSON body -> request model; malformed JSON and bad fields are 400s naming the problem.
+    Top-level fields nothing reads are named in a warning line, and the request served."""
+    body = await read_body(raw)
     try:
         data = json.loads(body)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -85,9 +109,15 @@ async def parse_body(raw: Request, model: type[M]) -> M:
                           f"(an unpaired \\ud800-\\udfff escape), which is not valid Unicode "
                           f"text", param=where or None)
     try:
-        return model.model_validate(data)
+        request = model.model_validate(data)
     except pydantic.ValidationError as e:
         raise validation_error_to_openai(e) from None
+    ignored = ignored_fields(request)
+    if ignored:
+        print(f"server: warning: {raw.url.path}: the following fields were present in the "
+              f"request but ignored: {', '.join(map(repr, ignored))}", file=sys.stderr,
+              flush=True)
+    return request
 
 
 def _lone_surrogate_at(value: Any, path: str = "") -> str | None:

@@ -72,8 +72,9 @@ class CompletionHandler:
             validate_prompt(self.ctx, ids, params, req.priority)
             jobs.append((ids, params, f"{request_id}-{i}"))
         if self.ctx.log_requests:
-            self.ctx.log(request_id, f"completion prompts={[t or ids for t, ids in prompts]!r} "
-                                     f"params={params!r}")
+            shown = ", ".join(self.ctx.clip(t) if t is not None else self.ctx.clip(str(ids))
+                              for t, ids in prompts)
+            self.ctx.log(request_id, f"completion prompts=[{shown}] params={params!r}")
         return request_id, prompts, params, jobs
 
     def _echo(self, text: str | None, ids: list[int]) -> str:
@@ -116,7 +117,7 @@ class CompletionHandler:
                                             out.prompt_logprobs),
                     prompt_logprobs=prompt_logprobs_json(out.prompt_logprobs)))
                 if self.ctx.log_outputs:
-                    self.ctx.log(request_id, f"output {c.index}: {c.text!r}")
+                    self.ctx.log(request_id, f"output {c.index}: {self.ctx.clip(c.text)}")
         prompt_tokens = sum(len(ids) for _, ids in prompts)
         return CompletionResponse(
             id=request_id, model=self.ctx.served_model_name, choices=choices,

@@ -16,7 +16,12 @@ from vllmpy.entrypoints.openai.protocol import (
     TokenizeResponse,
 )
 from vllmpy.entrypoints.openai.serving_chat import render_chat_prompt
-from vllmpy.entrypoints.openai.serving_common import ServerContext, check_prompt_bytes, parse_body
+from vllmpy.entrypoints.openai.serving_common import (
+    ServerContext,
+    check_prompt_bytes,
+    parse_body,
+    read_body,
+)
 
 
 class TokenizationHandler:
@@ -32,7 +37,7 @@ class TokenizationHandler:
     async def tokenize(self, raw: Request) -> dict[str, Any]:
         tok = self._tokenizer()
         try:
-            body = json.loads(await raw.body())
+            body = json.loads(await read_body(raw))
         except ValueError:
             body = None  # parse_body below answers with the 400
         if isinstance(body, dict) and "messages" in body:
