@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -111,6 +111,67 @@ def open_gguf(path: str) -> GGUFCheckpoint:
     ckpt = GGUFCheckpoint(str(path), architecture, {}, reader)
     ckpt.hf_config.update(_hf_config(ckpt))
     return ckpt
+
+
+# End of generation, as llama.cpp decides it (llama-vocab.cpp, `special_eog_ids`): these token
+# texts end generation whatever their type, ...
+EOG_TEXTS: frozenset[str] = frozenset({
+    "<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<|flush|>", "<|calls|>",
+    "<end_of_turn>", "<|endoftext|>", "</s>", "<|eom_id|>", "<EOT>", "_<EOT>", "[EOT]", "[EOS]",
+    "<|end_of_text|>", "<end_of_utterance>", "<eos>", "<turn|>", "<|tool_response>",
+    "<｜end▁of▁sentence｜>", "[e~[",
+})
+# ... and so do the fill-in-the-middle pad, repository and file-separator tokens: the id the file
+# names under tokenizer.ggml.<kind>_token_id, else a token spelled one of these ways.
+EOG_FIM_TEXTS: dict[str, tuple[str, ...]] = {
+    "fim_pad": ("<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>", "[PAD]"),
+    "fim_rep": ("<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>"),
+    "fim_sep": ("<|file_sep|>",),
+}
+
+
+def eog_token_ids(metadata: Mapping[str, Any], where: str = "GGUF file") -> set[int]:
+    """The ids that end generation for a GGUF file's tokenizer metadata, by llama.cpp's rule.
+
+    The union of: the FIM pad / repo / file-separator ids (`EOG_FIM_TEXTS`); every token whose
+    text is in `EOG_TEXTS` (a text listed twice counts at its last id, as llama.cpp's
+    text -> id map has it); and the `eos`, `eot` and `eom` ids the metadata names. Then, as
+    llama.cpp does: `<|end|>` is dropped when `<|return|>` and `<|call|>` (or `<|calls|>` and
+    `<|flush|>`) are in the set too (o200k_harmony, solar-open), and `</s>` is dropped when
+    `<|tool_response>` or `<|plamo:eos|>` is (a plain `</s>` there). Where several tokens spell
+    one FIM kind, llama.cpp takes whichever its hash map yields first; we take the lowest id.
+    llama.cpp's fallback EOS id 11 for a byte-level file without tokenizer.ggml.eos_token_id is
+    not followed: without the key there is no EOS. An id outside the vocabulary is refused.
+    """
+    tokens: list[str] = list(metadata.get("tokenizer.ggml.tokens") or [])
+    text_ids = {text: i for i, text in enumerate(tokens)}
+    eog = {i for text, i in text_ids.items() if text in EOG_TEXTS}
+    for kind, texts in EOG_FIM_TEXTS.items():
+        named = _metadata_token_id(metadata, kind, len(tokens), where)
+        spelled = sorted(text_ids[t] for t in texts if t in text_ids)
+        if named is not None or spelled:
+            eog.add(named if named is not None else spelled[0])
+    for kind in ("eos", "eot", "eom"):
+        if (named := _metadata_token_id(metadata, kind, len(tokens), where)) is not None:
+            eog.add(named)
+    by_text: dict[str, int] = {tokens[i]: i for i in sorted(eog) if i < len(tokens)}
+    calls = "<|call|>" in by_text or "<|calls|>" in by_text
+    if "<|end|>" in by_text and calls and ("<|return|>" in by_text or "<|flush|>" in by_text):
+        eog.discard(by_text["<|end|>"])
+    if "</s>" in by_text and ("<|tool_response>" in by_text or "<|plamo:eos|>" in by_text):
+        eog.discard(by_text["</s>"])
+    return eog
+
+
+def _metadata_token_id(metadata: Mapping[str, Any], kind: str, n_tokens: int,
+                       where: str) -> int | None:
+    value = metadata.get(f"tokenizer.ggml.{kind}_token_id")
+    if value is None:
+        return None
+    if n_tokens and not 0 <= int(value) < n_tokens:
+        raise GGUFLoadError(f"{where}: tokenizer.ggml.{kind}_token_id={value} is outside the "
+                            f"vocabulary of {n_tokens} tokens")
+    return int(value)
 
 
 def _require(ckpt: GGUFCheckpoint, key: str) -> Any:

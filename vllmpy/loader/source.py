@@ -52,11 +52,12 @@ def resolve_model_source(model: str | None, *, load_format: str = "auto",
         if not model.endswith(".gguf"):
             raise ValueError(f"--model {model!r} is a file but not a .gguf file; pass a model "
                              "directory, a .gguf file or a Hugging Face repo id")
-        from vllmpy.loader.gguf_loader import open_gguf
+        from vllmpy.loader.gguf_loader import eog_token_ids, open_gguf
 
         ckpt = open_gguf(model)
+        # A GGUF has no generation_config.json: its stop ids are llama.cpp's end-of-generation set.
         return ModelSource(model, "gguf", model, ckpt.hf_config,
-                           hfc.config_eos_ids(ckpt.hf_config))
+                           eog_token_ids(ckpt.reader.metadata, model))
     if os.path.isdir(model):
         return _hf_dir_source(model, model)
     from vllmpy.loader.hub import download_model, looks_like_repo_id
