@@ -258,3 +258,28 @@ VECTORS_B: list[tuple[str, str, str | None, list[tuple[str, object]]]] = [
      'get_weather">\n<atem:parameter name="city">Par', None,
      [("get_weather", {"city": "Par"})]),
 ]
+
+# (a real template of llama.cpp's collection, the parser auto-detection must choose)
+TEMPLATES_B = [
+    ("Apertus-8B-Instruct", "apertus"),
+    ("Cohere2MoE", "cohere_command4"),
+    ("CohereForAI-c4ai-command-r-plus-tool_use", "cohere_command3"),
+    ("CohereForAI-c4ai-command-r7b-12-2024-tool_use", "cohere_command3"),
+    ("GigaChat3-10B-A1.8B", "gigachat3"),
+    ("GigaChat3.1-10B-A1.8B", "gigachat3"),
+    ("LFM2-8B-A1B", "lfm2"),
+    ("LFM2.5-8B-A1B", "lfm2"),
+    ("LFM2.5-Instruct", "lfm2"),
+    ("openbmb-MiniCPM5-1B", "minicpm5"),
+    ("poolside-Laguna-S-2.1", "poolside_v1"),
+    ("poolside-Laguna-XS-2.1", "poolside_v1"),
+    ("poolside-Laguna-XS.2", "poolside_v1"),
+    ("muse-glimmer", "muse_glimmer"),
+    ("openai-gpt-oss-120b", "openai"),
+    ("google-gemma-4-31B-it", "gemma4"),
+    ("google-gemma-4-31B-it-interleaved", "gemma4"),
+    ("ibm-granite-granite-4.0", "granite4"),
+    ("ibm-granite-granite-4.1", "granite4"),
+    ("fireworks-ai-llama-3-firefunction-v2", "phi4_mini_json"),
+    ("microsoft-Phi-3.5-mini-instruct", None),  # renders no tools at all
+]

@@ -489,3 +489,21 @@ def test_stream_delta_json_leaves_out_what_a_delta_does_not_carry():
     assert one == {"tool_calls": [{"index": 0, "id": call_id, "type": "function", "function": {
         "name": "get_weather", "arguments": '{"city"'}}]}
     assert two == {"tool_calls": [{"index": 0, "function": {"arguments": ': "Oslo"}'}}]}
+
+
+MUSE = (" to=self<|message|>The user wants the weather.<|eom|><|start|>assistant to=user"
+        "<|message|>Let me check.<|eom|><|start|>assistant to=get_weather<|message|>"
+        '<atem:function_calls>\n<atem:invoke name="get_weather">\n<atem:parameter '
+        'name="city">Paris</atem:parameter>\n</atem:invoke>\n</atem:function_calls><|eom|>')
+
+
+def test_a_channel_format_keeps_the_answer_before_its_call():
+    """muse_glimmer as both parsers: the reasoning parser gives reasoning_content, the tool
+    parser reads the whole framed output, so the answer written before the call stays."""
+    message, reason = plan(request(tools=TOOLS), "muse_glimmer", "muse_glimmer").message(
+        MUSE, "stop")
+    assert message.reasoning_content == "The user wants the weather."
+    assert message.content == "Let me check."
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls] \
+        == [("get_weather", {"city": "Paris"})]
+    assert reason == "tool_calls"

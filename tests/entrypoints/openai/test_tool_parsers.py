@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 from tool_parser_utils import TOOLS, WEATHER, check_delta_rules, check_vector, cut_sets, replay
-from tool_vectors_b import VECTORS_B
+from tool_vectors_b import TEMPLATES_B, VECTORS_B
 
 from vllmpy.entrypoints.openai.cli_args import parse_server_args, resolve_output_parsers
 from vllmpy.entrypoints.openai.tool_parsers import (
@@ -612,6 +612,15 @@ REAL_TEMPLATES = {
     "meetkai-functionary-medium-v3.2": None,  # >>>name
     "google-gemma-2-2b-it": None,
     "llama-cpp-rwkv-world": None,
+    # families with no parser of their own, or written in another family's format
+    "Apriel-1.6-15b-Thinker-fixed": "jamba",
+    "unsloth-Apriel-1.5": "jamba",
+    "Bielik-11B-v3.0-Instruct": "hermes",
+    "Reka-Edge": "hermes",
+    "Spark2.5": "glm45",
+    "HuggingFaceTB-SmolLM3-3B": None,
+    "NVIDIA-Nemotron-Nano-v2": None,  # <TOOLCALL>: no parser here
+    "upstage-Solar-Open-100B": None,  # <|tool_call:begin|>: no parser here
 }
 
 
@@ -695,3 +704,21 @@ def test_group_a_markers_keep_special_tokens():
             "k2_horizon", "glm45", "glm47", "ling3", "minimax_m2", "seed_oss", "step3",
             "hy_v3", "hy_v4"} <= keeps
     assert "minimax_m3" not in keeps  # its markers are ordinary added tokens
+
+
+def test_a_parser_that_cannot_work_here_is_refused_at_start_up(capsys):
+    with pytest.raises(SystemExit) as e:
+        parse_server_args(["--tool-call-parser", "hf"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("server: --tool-call-parser hf: ")
+    assert "response_template" in err[0]
+
+
+def test_every_real_template_has_an_expected_parser(template_dir):
+    """Between this table and group B's (tool_vectors_b.py), every template of the
+    collection is classified."""
+    group_b = {stem for stem, _ in TEMPLATES_B}
+    missing = [p.stem for p in sorted(template_dir.glob("*.jinja"))
+               if p.stem not in REAL_TEMPLATES and p.stem not in group_b]
+    assert missing == []

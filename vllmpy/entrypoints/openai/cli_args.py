@@ -22,7 +22,11 @@ import sys
 from vllmpy.config import EngineArgs, check_startup_flags
 from vllmpy.entrypoints.arg_utils import OneLineArgumentParser
 from vllmpy.entrypoints.openai.multimodal_limits import parse_limits
-from vllmpy.entrypoints.openai.tool_parsers import TOOL_PARSERS, detect_tool_parser
+from vllmpy.entrypoints.openai.tool_parsers import (
+    TOOL_PARSERS,
+    detect_tool_parser,
+    get_tool_parser,
+)
 from vllmpy.reasoning import REASONING_PARSERS, detect_reasoning_parser
 
 PROG = "server"
@@ -105,6 +109,11 @@ def parse_server_args(argv: list[str] | None = None) -> argparse.Namespace:
         print(AUTO_TOOL_CHOICE_REFUSAL, file=sys.stderr)
         raise SystemExit(2)
     _check_parser_name(parser, "--tool-call-parser", args.tool_call_parser, TOOL_PARSERS)
+    if args.tool_call_parser in TOOL_PARSERS:
+        try:  # a parser that cannot work here is refused now, not on every request
+            get_tool_parser(args.tool_call_parser)()
+        except ValueError as e:
+            parser.error(f"--tool-call-parser {args.tool_call_parser}: {e}")
     _check_parser_name(parser, "--reasoning-parser", args.reasoning_parser, REASONING_PARSERS)
     for flag, why in INERT_FLAGS.items():
         if getattr(args, flag.lstrip("-").replace("-", "_")):

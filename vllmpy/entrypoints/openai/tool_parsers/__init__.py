@@ -123,6 +123,10 @@ _SIGNATURES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("inkling", ("<|content_invoke_tool_json|>",)),
     ("olmo3", ("<function_calls>", "</function_calls>")),
     # -- end of group B --
+    # GLM's key/value calls, written by other families' templates too (Spark-X2.5)
+    ("glm45", ("<tool_call>", "<arg_key>", "<arg_value>")),
+    # a JSON array of calls in <tool_calls> (Jamba's form; Apriel writes it too)
+    ("jamba", ("<tool_calls>[",)),
     ("qwen3_coder", ("<tool_call>", "<function=", "<parameter=")),
     ("granite", ("<|start_of_role|>", "<|tool_call|>")),
     ("granite", ("<|start_of_role|>", "<tool_call>")),

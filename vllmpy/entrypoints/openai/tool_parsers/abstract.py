@@ -68,6 +68,10 @@ class ToolParser:
 
     # the family's markers are special tokens, so detokenizing must keep special tokens
     needs_special_tokens: ClassVar[bool] = False
+    # the family frames every message (channel formats): the parser reads the whole output,
+    # reasoning messages included, and its content is the answer's (the reasoning parser
+    # then only supplies reasoning_content)
+    reads_messages: ClassVar[bool] = False
 
     def __init__(self, tools: Tools = None) -> None:
         self.functions: dict[str, dict[str, Any]] = {}

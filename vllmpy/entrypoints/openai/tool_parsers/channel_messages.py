@@ -32,6 +32,7 @@ class Route:
 
 
 class ChannelMessagesParser(ToolParser):
+    reads_messages = True
     ends: ClassVar[tuple[str, ...]] = ()
     call_state: ClassVar[str] = "call"  # the state a call's body is read in
 

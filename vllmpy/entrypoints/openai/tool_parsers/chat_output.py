@@ -82,7 +82,9 @@ class ChoiceParser:
         content = text
         if self.reasoning is not None:
             part = self.reasoning.finish() if final else self.reasoning.push(text)
-            out.reasoning, content = part.reasoning, part.content
+            out.reasoning = part.reasoning
+            if self.tools is None or not self.tools.reads_messages:
+                content = part.content
         if self.tools is None:
             out.content = content
             return out
