@@ -7,8 +7,8 @@
   add_special=false (no BOS/EOS, no leading space: byte-level BPE adds none) and
   parse_special=false (text spelling a control token is tokenized as plain text; user-defined
   tokens are still matched whole).
-- llama.cpp run on vocabularies built here, for the names without a vocabulary file: see the
-  "how" entry of llama_cpp_pre_vectors.json.
+- llama.cpp itself, run on vocabularies built here for the names without a vocabulary file, and
+  on more texts for deepseek-llm and qwen35: see the "how" entry of llama_cpp_pre_vectors.json.
 - DeepSeek-V3's own tokenizer.json (deepseek-v3, joyai-llm: llama.cpp gives both one rule).
 - Tekken's pattern, run by the `regex` module, for the character classes the GPT-4o rule shares.
 - transformers on a small written vocabulary for `default` and `smollm`.

@@ -33,7 +33,7 @@ Names, rules, and the oracle each is checked against (tests/tokenizer/test_gguf_
 | deepseek-v3, joyai-llm | DeepSeek V3's three stages: `\\p{N}{1,3}`, CJK/kana runs, then the main alternation | DeepSeek-V3's tokenizer.json; llama.cpp's test-tokenizer-0 (golden file) |
 | laguna | newline runs apart, then Qwen2's | llama.cpp's test-tokenizer-0 on the Qwen2 vocabulary (golden file) |
 | gpt-2 | GPT-2's own regex | llama.cpp's golden vectors (ggml-vocab-gpt-2) |
-| smollm, default | GPT-2's own regex (transformers' choice, see gguf_tokenizer.py) | transformers on SmolLM2 / on ggml-vocab-gpt-neox |
+| smollm, default | GPT-2's own regex (transformers' choice, see gguf_tokenizer.py) | transformers: on SmolLM2 (test_gguf_tokenizer.py) / on a small written vocabulary |
 
 Where transformers' GGUF conversion differs (we follow llama.cpp for these names): it has no
 rule for deepseek-llm, deepseek-v3, joyai-llm or laguna and falls back to GPT-2's regex; for
