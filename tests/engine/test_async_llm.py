@@ -101,7 +101,7 @@ def test_delta_stream_concatenates_to_final(engine, runner, llm_tokens):
 
 def test_n_completions_and_stat_listener(engine, runner):
     seen = []
-    engine.stat_listeners.append(lambda stats, outs: seen.append((stats, len(outs))))
+    engine.stat_listeners.append(lambda stats, it: seen.append((stats, it)))
     try:
         params = SamplingParams(n=3, seed=5, max_tokens=6, ignore_eos=True,
                                 output_kind=RequestOutputKind.FINAL_ONLY)
@@ -112,7 +112,12 @@ def test_n_completions_and_stat_listener(engine, runner):
     assert all(len(c.token_ids) == 6 for c in outs[0].outputs)
     assert outs[0].metrics.num_generation_tokens == 18
     assert seen and all(stats is not None for stats, _ in seen)
-    assert sum(n for _, n in seen) == 1
+    # every token counted as it arrived, the request's end counted once
+    assert sum(it.num_generation_tokens for _, it in seen) == 18
+    assert sum(it.num_prompt_tokens for _, it in seen) == len(PROMPTS[1])
+    ended = [e for _, it in seen for e in it.finished]
+    assert [(e.finish_reason, e.n, e.metrics.num_generation_tokens) for e in ended] == \
+        [("length", 3, 18)]
 
 
 def test_cancelled_consumer_aborts_and_frees_blocks(engine, runner):
