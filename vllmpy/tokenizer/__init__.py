@@ -7,7 +7,7 @@ from pathlib import Path
 from vllmpy.tokenizer.chat_template import ChatTemplateError, render_chat_template
 from vllmpy.tokenizer.detokenizer import IncrementalDetokenizer
 from vllmpy.tokenizer.gguf_tokenizer import load_gguf_tokenizer
-from vllmpy.tokenizer.hf import load_hf_tokenizer
+from vllmpy.tokenizer.hf import apply_tokenizer_config, load_hf_tokenizer
 from vllmpy.tokenizer.tokenizer import Tokenizer
 
 
@@ -17,10 +17,10 @@ def load_tokenizer(path: str | Path, tokenizer_config_path: str | Path | None = 
     if path.is_dir():
         return load_hf_tokenizer(path, tokenizer_config_path)
     if path.is_file() and path.suffix == ".gguf":
-        if tokenizer_config_path is not None:
-            raise ValueError("a tokenizer config file applies to a tokenizer.json directory, not "
-                             f"to the GGUF file {path}")
-        return load_gguf_tokenizer(path)
+        tokenizer = load_gguf_tokenizer(path)
+        if tokenizer_config_path is not None:  # what of it applies to a built tokenizer
+            tokenizer = apply_tokenizer_config(tokenizer, tokenizer_config_path)
+        return tokenizer
     raise ValueError(f"cannot load a tokenizer from {path}: expected a directory with "
                      "tokenizer.json or a .gguf file")
 
