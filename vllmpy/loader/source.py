@@ -22,7 +22,8 @@ class ModelSource:
     kind: str  # "hf_dir" | "gguf" | "dummy"
     path: str  # local directory (hf_dir, dummy) or file (gguf)
     hf_config: dict[str, Any]
-    eos_token_ids: set[int]  # config.json plus generation_config.json
+    # config.json plus generation_config.json; a GGUF: llama.cpp's end-of-generation set
+    eos_token_ids: set[int]
     # --chat-template's text (checked): replaces the checkpoint's template (load_tokenizer)
     chat_template: str | None = None
 
