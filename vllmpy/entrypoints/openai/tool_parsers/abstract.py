@@ -147,6 +147,15 @@ class ToolParser:
             self._delta.tool_calls.append(call)
         call.arguments += fragment
 
+    def feed_args(self, writer: Any, final: bool) -> bool:
+        """Stream the buffer through ``writer`` (a ``JsonValueWriter``) as the open call's
+        arguments; True once the value has ended: complete, stopped being JSON, or cut
+        short by the end of generation."""
+        used, written = writer.feed(self._buf, final)
+        self.emit_args(written)
+        self._buf = self._buf[used:]
+        return writer.done or writer.error is not None or final
+
     def end_call(self) -> None:
         self.in_call = False
         self._strip_ws = True

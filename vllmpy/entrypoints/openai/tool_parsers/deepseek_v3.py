@@ -109,10 +109,7 @@ class DeepSeekV3ToolParser(ToolParser):
     def _args(self, final: bool) -> bool:
         writer = self._writer
         assert writer is not None
-        used, written = writer.feed(self._buf, final)
-        self.emit_args(written)
-        self._buf = self._buf[used:]
-        if not writer.done and writer.error is None and not final:
+        if not self.feed_args(writer, final):
             return False
         self._state = "tail"
         return True

@@ -105,10 +105,7 @@ class MistralToolParser(ToolParser):
     def _args(self, final: bool) -> bool:
         writer = self._writer
         assert writer is not None
-        used, written = writer.feed(self._buf, final)
-        self.emit_args(written)
-        self._buf = self._buf[used:]
-        if not writer.done and writer.error is None and not final:
+        if not self.feed_args(writer, final):
             return False
         if not writer.done:
             self.emit_args(writer.close() if writer.started else "{}")
