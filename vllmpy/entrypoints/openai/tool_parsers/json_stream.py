@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from vllmpy.entrypoints.openai.tool_parsers.abstract import ToolParser
@@ -434,14 +434,17 @@ class CallObjectReader:
 
 
 class CallArrayReader:
-    """Reads a JSON array of call objects (``[]`` included) into calls on ``parser``."""
+    """Reads a JSON array of call objects (``[]`` included) into calls on ``parser``; each
+    item is read by ``make_item()`` (by default a ``CallObjectReader`` over
+    ``args_keys``), a reader with ``feed``, ``close``, ``done`` and ``error``."""
 
     def __init__(self, parser: ToolParser,
-                 args_keys: Sequence[str] = ("arguments", "parameters")) -> None:
+                 args_keys: Sequence[str] = ("arguments", "parameters"),
+                 make_item: Callable[[], Any] | None = None) -> None:
         self.parser = parser
-        self.args_keys = args_keys
+        self.make_item = make_item or (lambda: CallObjectReader(parser, args_keys))
         self.state = "open"  # open | item_or_end | item | comma_or_end
-        self.item: CallObjectReader | None = None
+        self.item: Any = None
         self.done = False
         self.error: str | None = None
         self._first_call = parser.num_calls
@@ -475,7 +478,7 @@ class CallArrayReader:
             elif ch == "," and self.state == "comma_or_end":
                 self.state = "item"
             elif self.state in ("item_or_end", "item"):
-                self.item = CallObjectReader(self.parser, self.args_keys)
+                self.item = self.make_item()
                 continue
             else:
                 self.error = f"expected ',' or ']' between tool calls, got {ch!r}"

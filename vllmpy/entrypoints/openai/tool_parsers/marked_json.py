@@ -14,18 +14,22 @@ consumed, ``done`` / ``error`` say how it stopped, ``close`` finishes a call cut
   ``tool_name``);
 - ``NameKeyedCallReader``: a one-key object whose key is the name and whose value is
   the arguments (Apertus: ``{"get_weather": {"city": "Paris"}}``);
-- ``CallListReader``: a JSON array of items read by any of them.
+- ``CallArrayReader`` (json_stream) reads a JSON array of items with any of them.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar, Protocol
 
 from vllmpy.entrypoints.openai.tool_parsers.abstract import ToolParser, Tools
-from vllmpy.entrypoints.openai.tool_parsers.json_stream import CallObjectReader, JsonValueWriter
+from vllmpy.entrypoints.openai.tool_parsers.json_stream import (
+    CallArrayReader,
+    CallObjectReader,
+    JsonValueWriter,
+)
 from vllmpy.reasoning.abstract import split_at_marker
 
 _WS = " \t\r\n"
@@ -128,54 +132,6 @@ class NameKeyedCallReader:
         return True
 
 
-class CallListReader:
-    """A JSON array whose items are read by ``make_item()`` readers (``[]`` included)."""
-
-    def __init__(self, parser: ToolParser, make_item: Callable[[], CallReader]) -> None:
-        self.parser = parser
-        self.make_item = make_item
-        self.state = "open"  # open | item_or_end | item | comma_or_end
-        self.item: CallReader | None = None
-        self.done = False
-        self.error: str | None = None
-        self._first_call = parser.num_calls
-
-    def feed(self, text: str, final: bool = False) -> int:
-        i = 0
-        while i < len(text) and not self.done and self.error is None:
-            if self.item is not None:
-                i += self.item.feed(text[i:], final)
-                self.error = self.item.error
-                if self.item.done:
-                    self.item, self.state = None, "comma_or_end"
-                continue
-            ch = text[i]
-            if ch in _WS:
-                i += 1
-                continue
-            if self.state == "open" and ch == "[":
-                self.state = "item_or_end"
-            elif ch == "]" and self.state in ("item_or_end", "comma_or_end"):
-                self.done = True
-            elif ch == "," and self.state == "comma_or_end":
-                self.state = "item"
-            elif self.state in ("item_or_end", "item"):
-                self.item = self.make_item()
-                continue
-            else:
-                self.error = f"expected a list of tool calls, got {ch!r}"
-                break
-            i += 1
-        return i
-
-    def close(self) -> bool:
-        """The text ended inside the array: finish an opened call; True if it had calls."""
-        if self.item is not None:
-            self.item.close()
-        self.done = True
-        return self.parser.num_calls > self._first_call
-
-
 @dataclass(frozen=True)
 class Block:
     start: str  # the marker that opens the block ("": the output's first character)
@@ -261,8 +217,8 @@ class MarkedJsonToolParser(ToolParser):
         if stripped[:1] and stripped[0] in block.openers:
             self._raw += self._buf[:len(self._buf) - len(stripped)]
             self._buf = stripped
-            self._reader = (CallListReader(self, self.make_item) if stripped[0] == "["
-                            else self.make_item())
+            self._reader = (CallArrayReader(self, make_item=self.make_item)
+                            if stripped[0] == "[" else self.make_item())
             self._state = "calls"
         else:
             self._give_back()
