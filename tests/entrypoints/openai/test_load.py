@@ -137,8 +137,8 @@ def test_soak_keeps_memory_flat(load_server, request, figures):
     growth_core = max(s[2] for s in warm) / base_core - 1
     figures(f"{count} requests at concurrency 32 in {wall:.1f} s ({count / wall:.0f} req/s); "
             f"RSS after warm-up: API server {base_server / 2**20:.0f} MiB, growth "
-            f"{growth_server:+.1%}; engine core {base_core / 2**20:.0f} MiB, growth "
-            f"{growth_core:+.1%}")
+            f"{growth_server:+.2%}; engine core {base_core / 2**20:.0f} MiB, growth "
+            f"{growth_core:+.2%}")
     assert growth_server <= 0.05 and growth_core <= 0.05
 
 
