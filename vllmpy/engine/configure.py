@@ -14,11 +14,11 @@ from vllmpy.config import (
     ModelConfig,
     SchedulerConfig,
     TextModelConfig,
-    check_startup_flags,
     log,
 )
 from vllmpy.core.scheduler import SCHEDULING_POLICIES
 from vllmpy.loader.source import ModelSource, resolve_model_source
+from vllmpy.startup_flags import check_startup_flags
 
 DEFAULT_NUM_BLOCKS = 256
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048

@@ -19,7 +19,7 @@ import argparse
 import os
 import sys
 
-from vllmpy.config import EngineArgs, check_startup_flags
+from vllmpy.config import EngineArgs
 from vllmpy.entrypoints.arg_utils import OneLineArgumentParser
 from vllmpy.entrypoints.openai.multimodal_limits import parse_limits
 from vllmpy.entrypoints.openai.tool_parsers import (
@@ -28,6 +28,7 @@ from vllmpy.entrypoints.openai.tool_parsers import (
     get_tool_parser,
 )
 from vllmpy.reasoning import REASONING_PARSERS, detect_reasoning_parser
+from vllmpy.startup_flags import check_startup_flags
 
 PROG = "server"
 

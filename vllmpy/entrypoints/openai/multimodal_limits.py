@@ -25,7 +25,7 @@ from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
 
-from vllmpy.config import json_object_flag
+from vllmpy.startup_flags import json_object_flag
 
 FLAG = "--limit-mm-per-prompt"
 DEFAULT_LIMIT = 999  # a modality the flag does not name (vLLM's default)
