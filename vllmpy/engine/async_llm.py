@@ -288,11 +288,12 @@ class AsyncLLM:
             m = state.metrics
             if out.new_token_ids:
                 iteration.num_generation_tokens += len(out.new_token_ids)
-                if parent_id not in timed and m.last_token_time is None:
+                last = m.last_token_time
+                if parent_id not in timed and last is None:
                     iteration.num_prompt_tokens += m.num_prompt_tokens
                     iteration.time_to_first_tokens.append(max(now - m.arrival_time, 0.0))
-                elif parent_id not in timed:
-                    iteration.inter_token_latencies.append(max(now - m.last_token_time, 0.0))
+                elif parent_id not in timed and last is not None:
+                    iteration.inter_token_latencies.append(max(now - last, 0.0))
             m.observe_step(out.first_scheduled_time, len(out.new_token_ids), now,
                            parent_id not in timed)
             if out.new_token_ids:

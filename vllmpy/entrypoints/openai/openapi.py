@@ -52,7 +52,8 @@ def document(app: FastAPI, bodies: dict[str, list[type[BaseModel]]]) -> None:
 
 def _build(app: FastAPI, bodies: dict[str, list[type[BaseModel]]]) -> dict[str, Any]:
     schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
-    models = [ErrorResponse, *{m for ms in bodies.values() for m in ms}]
+    models: list[type[BaseModel]] = [ErrorResponse,
+                                     *{m for ms in bodies.values() for m in ms}]
     names, top = models_json_schema([(m, "validation") for m in models], ref_template=_REF)
     components = schema.setdefault("components", {}).setdefault("schemas", {})
     components.update(top.get("$defs", {}))
@@ -60,7 +61,7 @@ def _build(app: FastAPI, bodies: dict[str, list[type[BaseModel]]]) -> dict[str, 
     error_ref = refs[ErrorResponse]
     for path, operations in schema.get("paths", {}).items():
         for method, operation in operations.items():
-            errors = COMMON_ERRORS
+            errors: tuple[int, ...] = COMMON_ERRORS
             if method == "post" and path in bodies:
                 choices = [refs[m] for m in bodies[path]]
                 body_schema = choices[0] if len(choices) == 1 else {"anyOf": choices}

@@ -79,7 +79,9 @@ class ChatHandler:
         if self.ctx.log_requests:
             # a token is at least one character: the first max_log_len + 1 are enough
             head = ids[:self.ctx.max_log_len + 1]
-            prompt = self.ctx.engine.tokenizer.decode(head, skip_special_tokens=False)
+            tokenizer = self.ctx.engine.tokenizer  # a chat request has one (rendered above)
+            assert tokenizer is not None
+            prompt = tokenizer.decode(head, skip_special_tokens=False)
             self.ctx.log(request_id, f"chat prompt={self.ctx.clip(prompt)} "
                                      f"prompt_tokens={len(ids)} params={params!r}")
         return request_id, ids, params
