@@ -12,6 +12,8 @@ values as they are and ignore the scales.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 
@@ -26,7 +28,36 @@ class AttentionBackend:
     [num_tokens, num_heads, head_dim], k and v [num_tokens, num_kv_heads, head_dim]; writes
     k and v at ``meta.slot_mapping`` (quantized with the scales when the cache is fp8),
     unless ``kv_stored`` says the caller already has, and returns [num_tokens, num_heads,
-    head_dim]."""
+    head_dim].
+
+    Every backend takes the layer's attention features at construction:
+    ``sliding_window`` (a query at position p sees the keys at positions p - window + 1
+    .. p; None: all of them) and ``logit_softcap`` (scores become
+    ``cap * tanh(scale * q.k / cap)`` before the softmax; None: no cap).
+
+    ``fused_qkv`` is where a backend takes more of the attention block into its kernels:
+    given the block (``vllmpy.layers.attention.SelfAttention``: its q/k norms, rotary
+    embedding and head sizes) and the packed qkv projection, it returns the attention
+    output [num_tokens, num_heads * head_dim], or None to let the block run its own steps
+    (norms, rotary, then ``forward``). The default fuses nothing.
+    """
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
+                 sliding_window: int | None = None,
+                 logit_softcap: float | None = None) -> None:
+        if num_kv_heads <= 0 or num_heads % num_kv_heads != 0:
+            raise ValueError(f"num_heads ({num_heads}) must be a positive multiple of "
+                             f"num_kv_heads ({num_kv_heads})")
+        if sliding_window is not None and sliding_window <= 0:
+            raise ValueError(f"sliding_window must be positive, got {sliding_window}")
+        if logit_softcap is not None and not logit_softcap > 0:
+            raise ValueError(f"logit_softcap must be positive, got {logit_softcap}")
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = scale
+        self.sliding_window = sliding_window
+        self.logit_softcap = logit_softcap
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: torch.Tensor, meta: AttentionMetadata,
@@ -34,16 +65,9 @@ class AttentionBackend:
                 kv_stored: bool = False) -> torch.Tensor:
         raise NotImplementedError
 
-    def decode_from_qkv(self, qkv: torch.Tensor, positions: torch.Tensor,
-                        cos_sin_cache: torch.Tensor, kv_cache: torch.Tensor,
-                        meta: AttentionMetadata, q_norm_weight: torch.Tensor | None = None,
-                        k_norm_weight: torch.Tensor | None = None,
-                        eps: float = 0.0) -> torch.Tensor | None:
-        """A backend that can run a decode step straight from the packed qkv projection
-        (rotary after an optional per-head q/k RMSNorm, the KV write and attention, in
-        one pass) returns the attention output [num_tokens, num_heads, head_dim] here;
-        None (this default) means the step takes the separate path: rotary, then
-        ``forward``."""
+    def fused_qkv(self, block: Any, qkv: torch.Tensor, positions: torch.Tensor,
+                  kv_cache: torch.Tensor, meta: AttentionMetadata, k_scale: float = 1.0,
+                  v_scale: float = 1.0) -> torch.Tensor | None:
         return None
 
 
@@ -87,12 +111,6 @@ class TorchReferenceBackend(AttentionBackend):
 
     Plain and slow, but easy to trust: the CPU path and the reference for kernels.
     """
-
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
-        self.num_heads = num_heads
-        self.num_kv_heads = num_kv_heads
-        self.head_dim = head_dim
-        self.scale = scale
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: torch.Tensor, meta: AttentionMetadata,

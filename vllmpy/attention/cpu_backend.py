@@ -60,14 +60,11 @@ class CpuAttentionBackend(AttentionBackend):
     ``meta.num_actual_tokens`` (padding) come back unspecified, and a request with no new
     tokens is skipped."""
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
-        if num_kv_heads <= 0 or num_heads % num_kv_heads != 0:
-            raise ValueError(f"num_heads ({num_heads}) must be a positive multiple of "
-                             f"num_kv_heads ({num_kv_heads})")
-        self.num_heads = num_heads
-        self.num_kv_heads = num_kv_heads
-        self.head_dim = head_dim
-        self.scale = scale
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
+                 sliding_window: int | None = None,
+                 logit_softcap: float | None = None) -> None:
+        super().__init__(num_heads, num_kv_heads, head_dim, scale, sliding_window,
+                         logit_softcap)
         self.group = num_heads // num_kv_heads
         self._no_bias: dict[torch.device, torch.Tensor] = {}  # baddbmm's ignored input
         self._mirror: _DecodeMirror | None = None

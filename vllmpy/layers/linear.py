@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from vllmpy.layers.custom_op import CustomOp
 from vllmpy.layers.norm import RMSNorm
 from vllmpy.layers.quantized import (
     Int4Weight,
@@ -52,7 +53,7 @@ def default_weight_loader(param: torch.Tensor, loaded: torch.Tensor, name: str =
         param.copy_(loaded)
 
 
-class Linear(nn.Module):
+class Linear(CustomOp):
     """y = x W^T (+ b), with W of shape [output_size, input_size].
 
     ``int4`` holds the weight when it runs 4-bit (then ``weight`` is None);
@@ -71,23 +72,31 @@ class Linear(nn.Module):
         self.int4: Int4Weight | None = None
         self.checkpoint_quant: str | None = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward_native(self, x: torch.Tensor) -> torch.Tensor:
         int4 = self.int4
         if int4 is not None and (x.shape[0] <= INT4_MAX_TOKENS_BESIDE_DENSE
                                  or self.weight is None):
             y = int4_linear(x, int4)
             return y if self.bias is None else y + self.bias
-        if self.streams_one_row(x):
-            from vllmpy.ops.skinny_gemm import skinny_gemm
+        return F.linear(x, self.weight, self.bias)  # type: ignore[arg-type]
 
-            return skinny_gemm(x, self.weight, self.bias)  # type: ignore[arg-type]
+    def bind_device(self, device: torch.device) -> None:
+        super().bind_device(device)
+        if self.on_cuda:
+            from vllmpy.ops import skinny_gemm
+
+            self._skinny = skinny_gemm
+
+    def forward_cuda(self, x: torch.Tensor) -> torch.Tensor:
+        if self.streams_one_row(x):
+            return self._skinny.skinny_gemm(x, self.weight, self.bias)  # type: ignore[arg-type]
         return F.linear(x, self.weight, self.bias)  # type: ignore[arg-type]
 
     def streams_one_row(self, x: torch.Tensor) -> bool:
         """Whether x goes through the weight-streaming kernel (``vllmpy.ops.skinny_gemm``):
-        one CUDA row (a batch-1 decode), where it beats cuBLAS on the decoder's matrices. On
-        a vocabulary-wide lm_head cuBLAS is faster."""
-        return (x.is_cuda and x.dim() == 2 and x.shape[0] == 1 and x.stride(1) == 1
+        one row on CUDA (a batch-1 decode), where it beats cuBLAS on the decoder's
+        matrices. On a vocabulary-wide lm_head cuBLAS is faster."""
+        return (self.on_cuda and x.dim() == 2 and x.shape[0] == 1 and x.stride(1) == 1
                 and self.output_size <= 32768 and self.weight is not None
                 and self.int4 is None)
 
@@ -123,12 +132,10 @@ def rms_norm_linear(norm: RMSNorm, linear: Linear, x: torch.Tensor,
     """``(linear(norm(x + residual)), x + residual)``; without a residual
     ``(linear(norm(x)), x)``. A row the linear layer streams takes one launch for both
     (``rms_norm_gemm``), with the same values as the two layers one after the other."""
-    if (linear.streams_one_row(x) and norm.weight.dtype == x.dtype
+    if (type(norm) is RMSNorm and linear.streams_one_row(x) and norm.weight.dtype == x.dtype
             and (residual is None or residual.stride(-1) == 1)):
-        from vllmpy.ops.skinny_gemm import rms_norm_gemm
-
-        return rms_norm_gemm(x, residual, norm.weight, norm.eps,
-                             linear.weight, linear.bias)  # type: ignore[arg-type]
+        return linear._skinny.rms_norm_gemm(x, residual, norm.weight, norm.eps, linear.weight,
+                                            linear.bias)  # type: ignore[arg-type]
     if residual is None:
         return linear(norm(x)), x
     normed, residual = norm(x, residual)

@@ -1,4 +1,14 @@
-"""RMSNorm, with the residual add fused into the same call (vLLM's convention)."""
+"""Normalization layers, each with the residual add fused into the same call (vLLM's
+convention): ``norm(x)`` is the normalized x; ``norm(x, residual)`` is
+``(normalized(x + residual), x + residual)``.
+
+- ``RMSNorm``: ``w * rms_normalized(x)`` (Llama, Qwen, Mistral, OLMo-2, ...), a fused
+  Triton kernel on CUDA;
+- ``GemmaRMSNorm``: ``(1 + w) * rms_normalized(x)``, the product taken in fp32 before the
+  one rounding (Gemma's own arithmetic);
+- ``LayerNorm``: mean and variance, with an optional bias (GPT-2, OPT, GPT-NeoX, StableLM,
+  Starcoder2, Cohere).
+"""
 
 from __future__ import annotations
 
@@ -6,54 +16,70 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from vllmpy.layers.custom_op import CustomOp
+from vllmpy.ops.native import rms_norm_cpu
 
-def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """weight * (x * rsqrt(mean(x^2) + eps)), normalised in fp32 and rounded to x's dtype
-    before the weight multiplies it."""
-    orig_dtype = x.dtype
-    x = x.float()
-    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x.to(orig_dtype)
+Normed = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
 
 
-def rms_norm_cpu(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """``rms_norm_torch`` in fewer kernels, for the CPU (torch's ``rms_norm`` is not fused
-    there: it is a composite of the reference's own fp32 steps).
+class RMSNorm(CustomOp):
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(hidden_size), requires_grad=False)
 
-    bfloat16 and float16 go through ``layer_norm``, which is one fused kernel: [x, -x] has
-    mean 0 and variance mean(x^2), so its layer norm is x * rsqrt(mean(x^2) + eps) on the
-    first half, normalised in fp32 and rounded to x's dtype. Its fp32 statistics differ from
-    the reference's in the last bits, which the rounding hides on all but a few in 100,000
-    values (those differ by one unit in the last place). float32 keeps the reference's
-    exact numbers through ``rms_norm`` without a weight. The weight multiplies after the
-    rounding, as in the reference.
-    """
-    if x.dtype in (torch.bfloat16, torch.float16):
-        hidden = x.shape[-1]
-        both = torch.cat([x, x.neg()], dim=-1)  # [..., 2 * hidden]
-        normed = F.layer_norm(both, (2 * hidden,), None, None, eps)[..., :hidden]
-    else:
-        normed = torch.rms_norm(x.float(), weight.shape, None, eps).to(x.dtype)
-    return weight * normed
+    def forward_native(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> Normed:
+        """Without ``residual``: norm(x). With it: (norm(x + residual), x + residual)."""
+        if residual is None:
+            return rms_norm_cpu(x, self.weight, self.eps)
+        x = x + residual
+        return rms_norm_cpu(x, self.weight, self.eps), x
+
+    def bind_device(self, device: torch.device) -> None:
+        super().bind_device(device)
+        if self.on_cuda:
+            from vllmpy.ops import fused
+
+            self._fused = fused
+
+    def forward_cuda(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> Normed:
+        return self._fused.rms_norm(x, self.weight, self.eps, residual)  # one launch
 
 
-class RMSNorm(nn.Module):
+class GemmaRMSNorm(CustomOp):
+    """Gemma's RMSNorm: ``x * rsqrt(mean(x^2) + eps) * (1 + w)`` all in fp32, rounded once
+    to x's dtype. The checkpoint stores ``w`` (zero-centred)."""
+
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.empty(hidden_size), requires_grad=False)
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm_cpu(x, self.weight, self.eps)
+        y = torch.rms_norm(x.float(), (x.shape[-1],), None, self.eps)
+        return (y * (1.0 + self.weight.float())).to(x.dtype)
 
-    def forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None = None
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """Without ``residual``: norm(x). With it: (norm(x + residual), x + residual)."""
-        if x.is_cuda:
-            from vllmpy.ops.fused import rms_norm  # one fused kernel instead of ~8
+    def forward_native(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> Normed:
+        if residual is None:
+            return self._norm(x)
+        x = x + residual
+        return self._norm(x), x
 
-            return rms_norm(x, self.weight, self.eps, residual)
+
+class LayerNorm(CustomOp):
+    """``F.layer_norm`` with a weight and (unless ``bias=False``) a bias."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-5, bias: bool = True) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(hidden_size), requires_grad=False)
+        self.bias = (nn.Parameter(torch.empty(hidden_size), requires_grad=False)
+                     if bias else None)
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x, (x.shape[-1],), self.weight, self.bias, self.eps)
+
+    def forward_native(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> Normed:
         if residual is None:
             return self._norm(x)
         x = x + residual

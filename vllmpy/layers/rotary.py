@@ -8,6 +8,8 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
+from vllmpy.ops.native import rotary_cpu, rotary_cpu_table
+
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:
     factor = float(scaling["factor"])
@@ -22,51 +24,6 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.T
     mid = (1 - smooth) * inv_freq / factor + smooth * inv_freq
     is_mid = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
     return torch.where(is_mid, mid, scaled)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x: [num_tokens, num_heads, head_dim]; cos/sin: [num_tokens, 1, head_dim / 2]
-    x1, x2 = x.float().chunk(2, dim=-1)
-    out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
-    return out.to(x.dtype)
-
-
-def rotary_torch(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
-                 cos_sin_cache: torch.Tensor, head_dim: int
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotate-half rotary on q and k ([num_tokens, num_heads * head_dim]) in fp32, with
-    ``cos_sin_cache`` [max_position, head_dim] (cos first half, sin second)."""
-    cos, sin = cos_sin_cache[positions].unsqueeze(1).chunk(2, dim=-1)
-    n, q_size, k_size = q.shape[0], math.prod(q.shape[1:]), math.prod(k.shape[1:])
-    # q and k in one pass (fewer ops): [num_tokens, num_heads + num_kv_heads, head_dim]
-    qk = torch.cat([q.reshape(n, q_size), k.reshape(n, k_size)], dim=-1).view(n, -1, head_dim)
-    q_out, k_out = _rotate(qk, cos, sin).view(n, -1).split([q_size, k_size], dim=-1)
-    return q_out.view(q.shape), k_out.view(k.shape)
-
-
-def rotary_cpu_table(cos_sin_cache: torch.Tensor) -> torch.Tensor:
-    """[max_position, 2, 1, head_dim]: [cos, cos] and [-sin, sin] of every position, from
-    ``cos_sin_cache`` [max_position, head_dim] (cos first half, sin second)."""
-    cos, sin = cos_sin_cache.chunk(2, dim=-1)
-    table = torch.stack([torch.cat([cos, cos], dim=-1), torch.cat([-sin, sin], dim=-1)], dim=1)
-    return table.unsqueeze(2)
-
-
-def rotary_cpu(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
-               table: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``rotary_torch``'s numbers in fewer calls, for the CPU: with ``table`` from
-    ``rotary_cpu_table``, both halves rotate at once as
-    x * [cos, cos] + roll(x, head_dim / 2) * [-sin, sin], in fp32."""
-    cos, sin = table.index_select(0, positions).unbind(1)  # [num_tokens, 1, head_dim] each
-    n, flat = q.shape[0], q.dim() == 2 and k.dim() == 2
-    q2, k2 = (q, k) if flat else (q.reshape(n, -1), k.reshape(n, -1))
-    # q and k in one pass: [num_tokens, num_heads + num_kv_heads, head_dim], fp32 and fresh
-    qk = torch.cat([q2, k2], dim=-1)
-    x = qk.view(n, -1, head_dim).float()  # cat's own output when q is fp32 already
-    rotated = x.roll(head_dim // 2, dims=-1).mul_(sin)  # [-x2 * sin, x1 * sin]
-    out = torch.add(x.mul_(cos), rotated).to(q.dtype)
-    q_out, k_out = out.view(n, -1).split([q2.shape[1], k2.shape[1]], dim=-1)
-    return (q_out, k_out) if flat else (q_out.view(q.shape), k_out.view(k.shape))
 
 
 class RotaryEmbedding(nn.Module):
@@ -94,6 +51,9 @@ class RotaryEmbedding(nn.Module):
         self.scaling_kind = kind
         # what the shared tables are keyed by, with the device
         self._table_key = (head_dim, max_position, base, repr(rope_scaling))
+        # whether the fused attention kernels may rotate with this table (rotate-half over
+        # the whole head)
+        self.fusable = True
 
     def _inv_freq(self) -> torch.Tensor:
         exponents = torch.arange(0, self.head_dim, 2, dtype=torch.int64).float() / self.head_dim

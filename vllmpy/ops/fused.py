@@ -20,10 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
-from vllmpy.layers.activation import silu_and_mul_torch
-from vllmpy.layers.norm import rms_norm_torch
-from vllmpy.layers.rotary import rotary_torch
 from vllmpy.ops.checks import check_float, check_same_device
+from vllmpy.ops.native import rms_norm_torch, rotary_torch, silu_and_mul_torch
 from vllmpy.ops.pdl import pdl_args, pdl_wait
 
 SILU_BLOCK = 1024  # output columns per SiLU-and-mul program

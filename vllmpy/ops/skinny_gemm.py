@@ -38,9 +38,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from vllmpy.layers.activation import silu_and_mul_torch
-from vllmpy.layers.norm import rms_norm_torch
 from vllmpy.ops.checks import check_float, check_same_device
+from vllmpy.ops.native import rms_norm_torch, silu_and_mul_torch
 from vllmpy.ops.paged_attention import num_multiprocessors
 from vllmpy.ops.pdl import pdl_args, pdl_wait
 

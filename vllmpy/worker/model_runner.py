@@ -17,6 +17,7 @@ from vllmpy.core.sched_output import (
     SchedulerOutput,
 )
 from vllmpy.layers.attention import Attention
+from vllmpy.layers.custom_op import bind_ops
 from vllmpy.loader.load_stats import LoadStats
 from vllmpy.loader.materialize import materialize
 from vllmpy.loader.source import ModelSource, iter_checkpoint_weights
@@ -104,6 +105,7 @@ class ModelRunner(StartupMixin):
             with torch.device("meta"):
                 model = model_cls(mc.text_config)
             materialize(model, self.device, mc.dtype)
+            bind_ops(model, self.device)  # native or device kernels, chosen once
         with stats.phase("weights"):
             if source.kind == "dummy":
                 self._load_dummy(model)
@@ -140,16 +142,11 @@ class ModelRunner(StartupMixin):
                               for _ in layers]
         self._load_stats.report()
         for layer, kv in zip(layers, self.kv_caches):
-            layer.kv_cache = kv
+            layer.bind(kv)
         from vllmpy.layers.attention import report_kv_scales
 
         report_kv_scales(layers, cache.kv_cache_dtype)  # fp8 without checkpoint scales
         if self.device.type == "cuda":
-            from vllmpy.attention.triton_backend import TritonAttentionBackend
-
-            for layer in layers:
-                layer.backend = TritonAttentionBackend(
-                    layer.num_heads, layer.num_kv_heads, layer.head_dim, layer.scale)
             if not self.config.enforce_eager:
                 self._capture_graphs()
 
@@ -159,15 +156,8 @@ class ModelRunner(StartupMixin):
 
     def _bind_kv_caches(self, caches: list[torch.Tensor]) -> None:
         """Give every attention layer its cache (and on CUDA the Triton backend)."""
-        layers = self._attention_layers()
-        for layer, kv in zip(layers, caches):
-            layer.kv_cache = kv
-        if self.device.type == "cuda":
-            from vllmpy.attention.triton_backend import TritonAttentionBackend
-
-            for layer in layers:
-                layer.backend = TritonAttentionBackend(
-                    layer.num_heads, layer.num_kv_heads, layer.head_dim, layer.scale)
+        for layer, kv in zip(self._attention_layers(), caches):
+            layer.bind(kv)
 
     def _capture_graphs(self) -> None:
         torch.cuda.empty_cache()  # as capture does: what grows after this is the graphs'
