@@ -22,66 +22,31 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True)
 class TextModelConfig:
-    """The architecture fields the decoder-only text models read, from a HF config dict."""
+    """What the engine outside the model reads of every architecture's config: the KV
+    geometry, the vocabulary and the serving limits. Each architecture's converter
+    (``vllmpy.models.<family>``) builds its own subclass, with the fields its model reads;
+    ``vllmpy.models.registry.text_config`` picks the converter by architecture."""
 
     architectures: list[str]
     model_type: str
     hidden_size: int
-    intermediate_size: int
     num_hidden_layers: int
     num_attention_heads: int
     num_key_value_heads: int
     head_dim: int
-    rms_norm_eps: float
-    rope_theta: float
-    rope_scaling: dict[str, Any] | None
     max_position_embeddings: int
     vocab_size: int
     tie_word_embeddings: bool
-    attention_bias: bool  # q/k/v projections carry biases (always for Qwen2)
-    sliding_window: int | None  # attention window the checkpoint was trained with, if any
+    # each layer's sliding attention window (None: the layer attends to every token)
+    layer_windows: tuple[int | None, ...]
 
-    @classmethod
-    def from_hf_config(cls, cfg: dict[str, Any]) -> TextModelConfig:
-        def need(key: str) -> Any:
-            if key not in cfg:
-                raise ConfigError(f"model config has no {key!r}")
-            return cfg[key]
-
-        model_type = cfg.get("model_type", "")
-        archs = list(cfg.get("architectures") or [])
-        if not archs:
-            raise ConfigError("model config has no 'architectures' entry")
-        if cfg.get("use_sliding_window"):
-            raise ConfigError("use_sliding_window=true (sliding-window attention) is not supported")
-        # Qwen2-style configs name a window but switch it off with use_sliding_window=false
-        window = None if cfg.get("use_sliding_window") is False else cfg.get("sliding_window")
-        rope_params = cfg.get("rope_parameters") or {}
-        rope_theta = cfg.get("rope_theta", rope_params.get("rope_theta", 10000.0))
-        rope_scaling = cfg.get("rope_scaling")
-        if rope_scaling is None and rope_params.get("rope_type", "default") != "default":
-            rope_scaling = rope_params
-        heads = int(need("num_attention_heads"))
-        hidden = int(need("hidden_size"))
-        is_qwen2 = model_type == "qwen2" or "Qwen2ForCausalLM" in archs
-        return cls(
-            architectures=archs,
-            model_type=model_type,
-            hidden_size=hidden,
-            intermediate_size=int(need("intermediate_size")),
-            num_hidden_layers=int(need("num_hidden_layers")),
-            num_attention_heads=heads,
-            num_key_value_heads=int(cfg.get("num_key_value_heads") or heads),
-            head_dim=int(cfg.get("head_dim") or hidden // heads),
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(rope_theta),
-            rope_scaling=rope_scaling,
-            max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
-            vocab_size=int(need("vocab_size")),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=bool(cfg.get("attention_bias", is_qwen2)),
-            sliding_window=int(window) if window else None,
-        )
+    @property
+    def sliding_window(self) -> int | None:
+        """The widest window when every layer has one; None when any layer sees all."""
+        windows = self.layer_windows
+        if not windows or any(w is None for w in windows):
+            return None
+        return max(w for w in windows if w is not None)
 
 
 @dataclass(frozen=True)

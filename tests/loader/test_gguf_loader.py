@@ -15,6 +15,7 @@ from vllmpy.loader.gguf_loader import (
     llama3_rope_divisors,
     open_gguf,
 )
+from vllmpy.models.registry import text_config
 
 # ---------------------------------------------------------------------------------------
 # Real checkpoints, with transformers as the oracle.
@@ -86,7 +87,10 @@ def test_real_config_matches_transformers(real):
     assert ours["architectures"] == [type(model).__name__]
     assert ours["torch_dtype"] == "float32"
     assert "rope_scaling" not in ours
-    assert ours["attention_bias"] is (name == "qwen2.5-coder")
+    # the architecture's own converter reads the file's config as transformers does
+    typed = text_config(ours)
+    assert typed.attention_bias is (name == "qwen2.5-coder")
+    assert typed.vocab_size == theirs.vocab_size and typed.head_dim == head_dim
     assert ckpt.metadata("tokenizer.ggml.model") == "gpt2"
     assert ckpt.metadata("no.such.key", default=7) == 7
 

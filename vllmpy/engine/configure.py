@@ -229,7 +229,9 @@ def build_engine_config(args: EngineArgs, source: ModelSource | None = None) -> 
         source = model_source(args)
     else:  # most often model_source's, which checked and logged them
         check_startup_flags(args, device, notify=False)
-    text = TextModelConfig.from_hf_config(source.hf_config)
+    from vllmpy.models.registry import text_config
+
+    text = text_config(source.hf_config)  # the architecture's own converter
     dtype = resolve_torch_dtype(source.hf_config, args.dtype, device)
     kv_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, dtype, source)
     _check_kv_dtype_on_device(kv_dtype, device)
@@ -251,11 +253,6 @@ def build_engine_config(args: EngineArgs, source: ModelSource | None = None) -> 
         how = "--max-model-len" if args.max_model_len else "the model's max_position_embeddings"
     else:
         max_model_len, how = _resolve_max_model_len(args, text, cache)
-    if text.sliding_window is not None and max_model_len > text.sliding_window:
-        raise ConfigError(
-            f"the model attends within a sliding window of {text.sliding_window} tokens, "
-            f"which is not implemented; serve at most that many with --max-model-len "
-            f"{text.sliding_window} (the resolved length is {max_model_len})")
     if cache.num_blocks:
         log(_startup_line(args, cache, max_model_len, how))
     model = ModelConfig(

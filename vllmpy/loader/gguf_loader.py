@@ -28,19 +28,15 @@ import torch
 from gguf import GGMLQuantizationType as QType
 
 from vllmpy.layers.quantized import QUANT_TYPES, QuantizedTensor
+from vllmpy.loader.gguf_arch import GGUFArch
 from vllmpy.loader.gguf_file import GGUFFile, open_gguf_file
+from vllmpy.models.registry import gguf_architectures, gguf_module
 
 
 class GGUFLoadError(ValueError):
     """A GGUF file (or part of it) that this loader refuses to load."""
 
 
-# general.architecture -> Hugging Face `architectures` entry.
-ARCHITECTURES: dict[str, str] = {
-    "llama": "LlamaForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-}
 
 # Tensor types we load. Matrices of the types in layers.quantized.QUANT_TYPES stay
 # quantized (QuantizedTensor); the rest is dequantized through gguf.quants.dequantize. The
@@ -71,10 +67,6 @@ _BLOCK_PARTS: dict[str, str] = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
-# Extra block parts that only some architectures have.
-_ARCH_BLOCK_PARTS: dict[str, dict[str, str]] = {
-    "qwen3": {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"},
-}
 
 # `rope_freqs.weight` holds llama.cpp's per-frequency divisors for Llama 3.1-style rope
 # scaling. It is not a parameter: we read it into `rope_scaling` (type "llama3") in
@@ -92,10 +84,15 @@ class GGUFCheckpoint:
     architecture: str  # general.architecture, e.g. "llama", "qwen2", "qwen3"
     hf_config: dict  # config.json-shaped dict built from the metadata (see `_hf_config`)
     reader: GGUFFile  # memory-mapped file; other modules read metadata from it
+    arch: GGUFArch  # the model family's mapping (its model file's GGUF_ARCH)
 
     def metadata(self, key: str, default: Any = None) -> Any:
         """The decoded value of KV field ``key`` (int, float, bool, str or list), or ``default``."""
         return self.reader.metadata.get(key, default)
+
+    @property
+    def tensor_names(self) -> set[str]:
+        return {t.name for t in self.reader.tensors}
 
 
 def open_gguf(path: str) -> GGUFCheckpoint:
@@ -104,11 +101,12 @@ def open_gguf(path: str) -> GGUFCheckpoint:
     architecture = reader.metadata.get("general.architecture")
     if architecture is None:
         raise GGUFLoadError(f"{path}: no general.architecture key; is this a model file?")
-    if architecture not in ARCHITECTURES:
+    module = gguf_module(str(architecture))
+    if module is None or not hasattr(module, "GGUF_ARCH"):
         raise GGUFLoadError(
             f"GGUF architecture {architecture!r} is not supported; "
-            f"supported: {sorted(ARCHITECTURES)}")
-    ckpt = GGUFCheckpoint(str(path), architecture, {}, reader)
+            f"supported: {sorted(gguf_architectures())}")
+    ckpt = GGUFCheckpoint(str(path), architecture, {}, reader, module.GGUF_ARCH)
     ckpt.hf_config.update(_hf_config(ckpt))
     return ckpt
 
@@ -187,43 +185,50 @@ def _as_float(value: Any) -> float:
 
 
 def _hf_config(ckpt: GGUFCheckpoint) -> dict:
+    """The config keys every llama.cpp architecture spells alike, then the family's own
+    (``GGUFArch.config``); the family's config converter checks the result as it checks a
+    config.json."""
     arch = ckpt.architecture
-    tensor_names = {t.name for t in ckpt.reader.tensors}
+    tensor_names = ckpt.tensor_names
     hidden = int(_require(ckpt, f"{arch}.embedding_length"))
     heads = int(_require(ckpt, f"{arch}.attention.head_count"))
     head_dim = int(ckpt.metadata(f"{arch}.attention.key_length", hidden // heads))
-    rope_dim = ckpt.metadata(f"{arch}.rope.dimension_count")
-    if rope_dim is not None and int(rope_dim) != head_dim:
-        raise GGUFLoadError(
-            f"{ckpt.path}: {arch}.rope.dimension_count={rope_dim} differs from head_dim="
-            f"{head_dim}; partial rotary embeddings are not supported for {arch}")
-
     config: dict[str, Any] = {
-        "architectures": [ARCHITECTURES[arch]],
+        "architectures": [gguf_architectures()[arch]],
         "model_type": arch,
         "hidden_size": hidden,
-        "intermediate_size": int(_require(ckpt, f"{arch}.feed_forward_length")),
         "num_hidden_layers": int(_require(ckpt, f"{arch}.block_count")),
         "num_attention_heads": heads,
         "num_key_value_heads": int(ckpt.metadata(f"{arch}.attention.head_count_kv", heads)),
         "head_dim": head_dim,
-        "hidden_act": "silu",
-        "rms_norm_eps": _as_float(_require(ckpt, f"{arch}.attention.layer_norm_rms_epsilon")),
-        "rope_theta": _as_float(ckpt.metadata(f"{arch}.rope.freq_base", 10000.0)),
         "max_position_embeddings": int(_require(ckpt, f"{arch}.context_length")),
         "vocab_size": _vocab_size(ckpt),
         "tie_word_embeddings": "output.weight" not in tensor_names,
-        # Qwen2 always has q/k/v biases; the others have them only if the file does.
-        "attention_bias": arch == "qwen2" or "blk.0.attn_q.bias" in tensor_names,
         "torch_dtype": "float32",
     }
+    if (ffn := ckpt.metadata(f"{arch}.feed_forward_length")) is not None:
+        config["intermediate_size"] = int(ffn)
+    if (eps := ckpt.metadata(f"{arch}.attention.layer_norm_rms_epsilon")) is not None:
+        config["rms_norm_eps"] = _as_float(eps)
+    if (eps := ckpt.metadata(f"{arch}.attention.layer_norm_epsilon")) is not None:
+        config["layer_norm_eps"] = _as_float(eps)
+    if (theta := ckpt.metadata(f"{arch}.rope.freq_base")) is not None:
+        config["rope_theta"] = _as_float(theta)
+    rope_dim = ckpt.metadata(f"{arch}.rope.dimension_count")
+    if rope_dim is not None and int(rope_dim) != head_dim:
+        config["partial_rotary_factor"] = int(rope_dim) / head_dim
+    if (window := ckpt.metadata(f"{arch}.attention.sliding_window")) is not None:
+        config["sliding_window"] = int(window)
     for hf_key, gguf_key in (("bos_token_id", "tokenizer.ggml.bos_token_id"),
                              ("eos_token_id", "tokenizer.ggml.eos_token_id"),
                              ("pad_token_id", "tokenizer.ggml.padding_token_id")):
         if (value := ckpt.metadata(gguf_key)) is not None:
             config[hf_key] = int(value)
-    if (rope_scaling := _rope_scaling(ckpt, head_dim, config["rope_theta"])) is not None:
-        config["rope_scaling"] = rope_scaling
+    scaling = _rope_scaling(ckpt, head_dim, config.get("rope_theta", 10000.0))
+    if scaling is not None:
+        config["rope_scaling"] = scaling
+    if ckpt.arch.config is not None:
+        config.update(ckpt.arch.config(ckpt, config))
     return config
 
 
@@ -301,25 +306,25 @@ def llama3_rope_divisors(inv_freq: np.ndarray, scaling: dict) -> np.ndarray:
     return 1.0 / ((1 - smooth) / factor + smooth)
 
 
-def hf_weight_name(architecture: str, gguf_name: str) -> str | None:
+def hf_weight_name(arch: GGUFArch, gguf_name: str) -> str | None:
     """The Hugging Face name of GGUF tensor ``gguf_name``; None if it is unknown."""
+    if gguf_name in arch.global_names:
+        return arch.global_names[gguf_name]
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
     match = _BLOCK_RE.fullmatch(gguf_name)
     if match is None:
         return None
     layer, part, suffix = match.groups()
-    hf_part = _BLOCK_PARTS.get(part) or _ARCH_BLOCK_PARTS.get(architecture, {}).get(part)
-    return None if hf_part is None else f"model.layers.{layer}.{hf_part}.{suffix}"
+    hf_part = arch.block_parts.get(part) or _BLOCK_PARTS.get(part)
+    return None if hf_part is None else f"{arch.layer_prefix}.{layer}.{hf_part}.{suffix}"
 
 
 def _rotary_heads(ckpt: GGUFCheckpoint, gguf_name: str) -> int | None:
-    """Head count to un-interleave ``gguf_name`` by, or None if it is stored as in HF.
-
-    Only llama.cpp's ``llama`` converter permutes q/k rows; qwen2 and qwen3 keep HF order.
-    """
+    """Head count to un-interleave ``gguf_name`` by, or None if it is stored as in HF
+    (only llama.cpp's Llama converter permutes q/k rows: ``GGUFArch.permute_qk``)."""
     match = _BLOCK_RE.fullmatch(gguf_name)
-    if ckpt.architecture != "llama" or match is None:
+    if not ckpt.arch.permute_qk or match is None:
         return None
     heads_key = {"attn_q": "num_attention_heads", "attn_k": "num_key_value_heads"}.get(
         match.group(2))
@@ -330,9 +335,9 @@ def _plan(ckpt: GGUFCheckpoint) -> list[tuple[Any, str, int | None]]:
     """(tensor, HF name, rotary heads) for every weight; refuses unknown names and types."""
     plan = []
     for tensor in ckpt.reader.tensors:
-        if tensor.name == _ROPE_FREQS:
-            continue  # folded into hf_config["rope_scaling"] by open_gguf
-        hf_name = hf_weight_name(ckpt.architecture, tensor.name)
+        if tensor.name == _ROPE_FREQS or tensor.name in ckpt.arch.skip:
+            continue  # folded into hf_config (rope_scaling, ...) by open_gguf
+        hf_name = hf_weight_name(ckpt.arch, tensor.name)
         if hf_name is None:
             raise GGUFLoadError(
                 f"{ckpt.path}: unexpected tensor {tensor.name!r} for architecture "
@@ -368,6 +373,8 @@ def iter_gguf_weights(
         dense = _dequantize(tensor, dtype)
         if rotary_heads is not None:
             dense = unpermute_rotary_rows(dense, rotary_heads, tensor.name)
+        if ckpt.arch.transform is not None:
+            dense = ckpt.arch.transform(hf_name, dense)
         yield hf_name, dense
 
 

@@ -1,79 +1,76 @@
-"""Llama (and Mistral, which has the same layout), read top to bottom like the Hugging
-Face modeling file, over the flattened tokens of one engine step."""
+"""Llama and Mistral, read top to bottom like the Hugging Face modeling file, over the
+flattened tokens of one engine step. Qwen2 (``vllmpy.models.qwen2``) is this model under
+its own config converter."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
 
 from vllmpy.attention.metadata import AttentionMetadata
 from vllmpy.config import TextModelConfig
-from vllmpy.layers.attention import Attention, KVScaleLoader
-from vllmpy.layers.linear import (
-    Linear,
-    PackedLinear,
-    rms_norm_linear,
-    tie_quantized_lm_head,
-)
+from vllmpy.layers.attention import KVScaleLoader, SelfAttention
+from vllmpy.layers.embedding import VocabEmbedding, head_logits
+from vllmpy.layers.linear import Linear, rms_norm_linear, tie_quantized_lm_head
 from vllmpy.layers.mlp import GatedMLP
 from vllmpy.layers.norm import RMSNorm
 from vllmpy.layers.rotary import RotaryEmbedding
-from vllmpy.models.weights import load_packed_weights
+from vllmpy.loader.gguf_arch import GGUFArch
+from vllmpy.models.config_reader import (
+    ConfigReader,
+    decoder_fields,
+    layer_types,
+    rope_settings,
+    windows_of,
+)
+from vllmpy.models.weights import PACKED_QKV_GATE_UP, load_packed_weights
 
-# checkpoint name fragment -> (packed parameter fragment, shard id)
-PACKED_MODULES: dict[str, tuple[str, str | int]] = {
-    "q_proj": ("qkv_proj", "q"),
-    "k_proj": ("qkv_proj", "k"),
-    "v_proj": ("qkv_proj", "v"),
-    "gate_proj": ("gate_up_proj", 0),
-    "up_proj": ("gate_up_proj", 1),
-}
 
+@dataclass(frozen=True)
+class LlamaConfig(TextModelConfig):
+    intermediate_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None
+    attention_bias: bool  # the q/k/v projections carry biases
+    o_proj_bias: bool
+    mlp_bias: bool
 
-class LlamaAttention(nn.Module):
-    def __init__(self, config: TextModelConfig) -> None:
-        super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
-        self.head_dim = config.head_dim
-        self.q_size = self.num_heads * self.head_dim
-        self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = PackedLinear(
-            config.hidden_size, {"q": self.q_size, "k": self.kv_size, "v": self.kv_size},
-            bias=config.attention_bias)
-        self.o_proj = Linear(self.q_size, config.hidden_size)
-        self.rotary_emb = RotaryEmbedding(
-            self.head_dim, config.max_position_embeddings, config.rope_theta,
-            config.rope_scaling)
-        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim,
-                              scale=self.head_dim ** -0.5)
-
-    def forward(self, positions: torch.Tensor, qkv: torch.Tensor,
-                attn_metadata: AttentionMetadata) -> torch.Tensor:
-        """qkv: qkv_proj's output, [num_tokens, q_size + 2 * kv_size] (the decoder layer
-        runs the projection, so that it can take the layer norm into the same launch)."""
-        if qkv.is_cuda:  # a decode step: rotary, the KV write and attention at once
-            out = self.attn.decode_from_qkv(qkv, positions,
-                                            self.rotary_emb.cos_sin_cache(qkv.device),
-                                            attn_metadata)
-            if out is not None:
-                return self.o_proj(out)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q, k = self.rotary_emb(positions, q, k)
-        return self.o_proj(self.attn(q, k, v, attn_metadata))
+    @classmethod
+    def from_hf(cls, cfg: dict[str, Any], architecture: str) -> LlamaConfig:
+        r = ConfigReader(cfg, architecture)
+        r.expect("hidden_act", ("silu",), "silu")
+        r.refuse("partial_rotary_factor", unless=1.0, why="Llama rotates whole heads")
+        layers = r.need("num_hidden_layers")
+        # Mistral: one window for every layer (null: none)
+        window = r.get("sliding_window", None, int)
+        kinds = layer_types(r, layers, ["sliding_attention" if window else "full_attention"]
+                            * layers)
+        theta, scaling = rope_settings(r)
+        bias = r.get("attention_bias", False, bool)
+        return cls(**decoder_fields(r, architecture, windows_of(kinds, window)),
+                   intermediate_size=r.need("intermediate_size"),
+                   rms_norm_eps=r.get("rms_norm_eps", 1e-6, float),
+                   rope_theta=theta, rope_scaling=scaling, attention_bias=bias,
+                   o_proj_bias=bias,
+                   mlp_bias=r.get("mlp_bias", False, bool))
 
 
 class LlamaDecoderLayer(nn.Module):
-    # the attention module; a model with Llama's layer around another attention (Qwen3)
-    # sets its own
-    attention_cls: type[nn.Module] = LlamaAttention
-
-    def __init__(self, config: TextModelConfig) -> None:
+    def __init__(self, config: LlamaConfig, layer_idx: int) -> None:
         super().__init__()
-        self.self_attn = self.attention_cls(config)
-        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size)
+        rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings,
+                                 config.rope_theta, config.rope_scaling)
+        self.self_attn = SelfAttention(
+            config.hidden_size, config.num_attention_heads, config.num_key_value_heads,
+            config.head_dim, rotary=rotary, qkv_bias=config.attention_bias,
+            o_bias=config.o_proj_bias,
+            sliding_window=config.layer_windows[layer_idx])
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -83,23 +80,18 @@ class LlamaDecoderLayer(nn.Module):
         # each layer norm runs with the projection after it (one launch for one row)
         qkv, residual = rms_norm_linear(self.input_layernorm, self.self_attn.qkv_proj,
                                         hidden_states, residual)
-        hidden_states = self.self_attn(positions, qkv, attn_metadata)
+        hidden_states = self.self_attn.forward_qkv(positions, qkv, attn_metadata)
         gate_up, residual = rms_norm_linear(self.post_attention_layernorm,
                                             self.mlp.gate_up_proj, hidden_states, residual)
         return self.mlp.down(gate_up), residual
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: TextModelConfig) -> None:
+    def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
-        # An uninitialised weight: Embedding's own random init would pull in the
-        # compiler stack on the meta device (over a second of start-up) for nothing.
-        self.embed_tokens = nn.Embedding(
-            config.vocab_size, config.hidden_size,
-            _weight=torch.empty(config.vocab_size, config.hidden_size))
-        self.embed_tokens.weight.requires_grad_(False)
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            [LlamaDecoderLayer(config) for _ in range(config.num_hidden_layers)])
+            [LlamaDecoderLayer(config, i) for i in range(config.num_hidden_layers)])
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -112,22 +104,8 @@ class LlamaModel(nn.Module):
         return hidden_states
 
 
-def head_logits(lm_head: Linear | None, embed_tokens: nn.Embedding,
-                hidden_states: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """A causal LM's logits: ``lm_head``, or the tied embedding when it is None; into
-    ``out`` when given (the same product, with no buffer in between)."""
-    if lm_head is not None and lm_head.int4 is not None:
-        logits = lm_head(hidden_states)  # a 4-bit head (see layers.linear)
-        return logits if out is None else out.copy_(logits)
-    weight = embed_tokens.weight if lm_head is None else lm_head.weight
-    assert weight is not None  # a head without a 4-bit copy keeps its dense weight
-    if out is not None:
-        return torch.mm(hidden_states, weight.t(), out=out)
-    return torch.nn.functional.linear(hidden_states, weight)
-
-
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, config: TextModelConfig) -> None:
+    def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
         self.config = config
         self.model = LlamaModel(config)
@@ -151,5 +129,9 @@ class LlamaForCausalLM(nn.Module):
             skip += ("lm_head.weight",)
             weights = tie_quantized_lm_head(self, weights)  # a 4-bit copy, if it pays
         scales = KVScaleLoader(self)  # k_scale / v_scale go to the attention layers
-        return load_packed_weights(self, scales.filter(weights), PACKED_MODULES,
+        return load_packed_weights(self, scales.filter(weights), PACKED_QKV_GATE_UP,
                                    skip) | scales.loaded
+
+
+# llama.cpp's "llama": the common names; its converter interleaves q/k rows
+GGUF_ARCH = GGUFArch(permute_qk=True)

@@ -1,106 +1,94 @@
-"""Qwen3: the Llama layout with RMSNorm on each head of q and k before rotary, read top to bottom like the Hugging
-Face modeling file, over the flattened tokens of one engine step."""
+"""Qwen3: the Llama layout with an RMSNorm on each head of q and k before rotary, read top
+to bottom like the Hugging Face modeling file, over the flattened tokens of one step."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
 
 import torch
 from torch import nn
 
 from vllmpy.attention.metadata import AttentionMetadata
 from vllmpy.config import TextModelConfig
-from vllmpy.layers.attention import Attention, KVScaleLoader
-from vllmpy.layers.linear import (
-    Linear,
-    PackedLinear,
-    tie_quantized_lm_head,
-)
+from vllmpy.layers.attention import KVScaleLoader, SelfAttention
+from vllmpy.layers.embedding import VocabEmbedding, head_logits
+from vllmpy.layers.linear import Linear, rms_norm_linear, tie_quantized_lm_head
+from vllmpy.layers.mlp import GatedMLP
 from vllmpy.layers.norm import RMSNorm
 from vllmpy.layers.rotary import RotaryEmbedding
-from vllmpy.models.llama import LlamaDecoderLayer, head_logits
-from vllmpy.models.weights import load_packed_weights
-
-# checkpoint name fragment -> (packed parameter fragment, shard id)
-PACKED_MODULES: dict[str, tuple[str, str | int]] = {
-    "q_proj": ("qkv_proj", "q"),
-    "k_proj": ("qkv_proj", "k"),
-    "v_proj": ("qkv_proj", "v"),
-    "gate_proj": ("gate_up_proj", 0),
-    "up_proj": ("gate_up_proj", 1),
-}
+from vllmpy.loader.gguf_arch import GGUFArch
+from vllmpy.models.config_reader import (
+    ConfigReader,
+    decoder_fields,
+    layer_types,
+    rope_settings,
+    windows_of,
+)
+from vllmpy.models.weights import PACKED_QKV_GATE_UP, load_packed_weights
 
 
-class Qwen3Attention(nn.Module):
-    def __init__(self, config: TextModelConfig) -> None:
+@dataclass(frozen=True)
+class Qwen3Config(TextModelConfig):
+    intermediate_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None
+    attention_bias: bool
+
+    @classmethod
+    def from_hf(cls, cfg: dict[str, Any], architecture: str) -> Qwen3Config:
+        r = ConfigReader(cfg, architecture)
+        r.expect("hidden_act", ("silu",), "silu")
+        r.refuse("partial_rotary_factor", unless=1.0, why="Qwen3 rotates whole heads")
+        layers = r.need("num_hidden_layers")
+        window = (r.get("sliding_window", None, int)
+                  if r.get("use_sliding_window", False, bool) else None)
+        first = r.get("max_window_layers", layers, int)
+        kinds = layer_types(r, layers, ["sliding_attention" if window and i >= first
+                                        else "full_attention" for i in range(layers)])
+        theta, scaling = rope_settings(r)
+        return cls(**decoder_fields(r, architecture, windows_of(kinds, window)),
+                   intermediate_size=r.need("intermediate_size"),
+                   rms_norm_eps=r.get("rms_norm_eps", 1e-6, float),
+                   rope_theta=theta, rope_scaling=scaling,
+                   attention_bias=r.get("attention_bias", False, bool))
+
+
+class Qwen3DecoderLayer(nn.Module):
+    def __init__(self, config: Qwen3Config, layer_idx: int) -> None:
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
-        self.head_dim = config.head_dim
-        self.q_size = self.num_heads * self.head_dim
-        self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = PackedLinear(
-            config.hidden_size, {"q": self.q_size, "k": self.kv_size, "v": self.kv_size},
-            bias=config.attention_bias)
-        self.o_proj = Linear(self.q_size, config.hidden_size)
-        self.rotary_emb = RotaryEmbedding(
-            self.head_dim, config.max_position_embeddings, config.rope_theta,
-            config.rope_scaling)
-        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim,
-                              scale=self.head_dim ** -0.5)
-        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings,
+                                 config.rope_theta, config.rope_scaling)
+        self.self_attn = SelfAttention(
+            config.hidden_size, config.num_attention_heads, config.num_key_value_heads,
+            config.head_dim, rotary=rotary, qkv_bias=config.attention_bias,
+            o_bias=config.attention_bias,
+            qk_norm=partial(RMSNorm, eps=config.rms_norm_eps),
+            sliding_window=config.layer_windows[layer_idx])
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, positions: torch.Tensor, qkv: torch.Tensor,
-                attn_metadata: AttentionMetadata) -> torch.Tensor:
-        """qkv: qkv_proj's output, [num_tokens, q_size + 2 * kv_size] (the decoder layer
-        runs the projection, so that it can take the layer norm into the same launch)."""
-        if qkv.is_cuda:  # a decode step: norms, rotary, the KV write and attention at once
-            cos_sin = self.rotary_emb.cos_sin_cache(qkv.device)
-            out = self.attn.decode_from_qkv(qkv, positions, cos_sin, attn_metadata,
-                                            self.q_norm.weight, self.k_norm.weight,
-                                            self.q_norm.eps)
-            if out is not None:
-                return self.o_proj(out)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        n = q.shape[0]
-        if q.is_cuda:
-            from vllmpy.ops.fused import qk_norm_rotary  # both norms and rotary: one launch
-
-            # a cache of the model's dtype takes the keys and values in the same launch
-            cache = self.attn.kv_cache
-            store = cache is not None and cache.dtype == q.dtype
-            slots = (attn_metadata.slot_mapping[:attn_metadata.num_actual_tokens]
-                     if store else None)
-            q, k = qk_norm_rotary(positions, q, k, self.q_norm.weight, self.k_norm.weight,
-                                  self.q_norm.eps, self.rotary_emb.cos_sin_cache(q.device),
-                                  self.head_dim, v if store else None,
-                                  cache if store else None, slots)
-            return self.o_proj(self.attn(q, k, v, attn_metadata, kv_stored=store))
-        # per-head norms: [num_tokens, heads, head_dim] -> back to [num_tokens, heads * head_dim]
-        q = self.q_norm(q.reshape(n, self.num_heads, self.head_dim)).view(n, self.q_size)
-        k = self.k_norm(k.reshape(n, self.num_kv_heads, self.head_dim)).view(n, self.kv_size)
-        q, k = self.rotary_emb(positions, q, k)
-        return self.o_proj(self.attn(q, k, v, attn_metadata))
-
-
-class Qwen3DecoderLayer(LlamaDecoderLayer):
-    """Llama's decoder layer around Qwen3's attention."""
-
-    attention_cls = Qwen3Attention
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor,
+                residual: torch.Tensor | None,
+                attn_metadata: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        qkv, residual = rms_norm_linear(self.input_layernorm, self.self_attn.qkv_proj,
+                                        hidden_states, residual)
+        hidden_states = self.self_attn.forward_qkv(positions, qkv, attn_metadata)
+        gate_up, residual = rms_norm_linear(self.post_attention_layernorm,
+                                            self.mlp.gate_up_proj, hidden_states, residual)
+        return self.mlp.down(gate_up), residual
 
 
 class Qwen3Model(nn.Module):
-    def __init__(self, config: TextModelConfig) -> None:
+    def __init__(self, config: Qwen3Config) -> None:
         super().__init__()
-        # An uninitialised weight: Embedding's own random init would pull in the
-        # compiler stack on the meta device (over a second of start-up) for nothing.
-        self.embed_tokens = nn.Embedding(
-            config.vocab_size, config.hidden_size,
-            _weight=torch.empty(config.vocab_size, config.hidden_size))
-        self.embed_tokens.weight.requires_grad_(False)
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            [Qwen3DecoderLayer(config) for _ in range(config.num_hidden_layers)])
+            [Qwen3DecoderLayer(config, i) for i in range(config.num_hidden_layers)])
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -114,7 +102,7 @@ class Qwen3Model(nn.Module):
 
 
 class Qwen3ForCausalLM(nn.Module):
-    def __init__(self, config: TextModelConfig) -> None:
+    def __init__(self, config: Qwen3Config) -> None:
         super().__init__()
         self.config = config
         self.model = Qwen3Model(config)
@@ -127,8 +115,6 @@ class Qwen3ForCausalLM(nn.Module):
 
     def compute_logits(self, hidden_states: torch.Tensor,
                        out: torch.Tensor | None = None) -> torch.Tensor:
-        """[num_sampled, hidden_size] -> [num_sampled, vocab_size], written into ``out``
-        (and returned) when given."""
         return head_logits(self.lm_head, self.model.embed_tokens, hidden_states, out)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
@@ -138,5 +124,9 @@ class Qwen3ForCausalLM(nn.Module):
             skip += ("lm_head.weight",)
             weights = tie_quantized_lm_head(self, weights)  # a 4-bit copy, if it pays
         scales = KVScaleLoader(self)  # k_scale / v_scale go to the attention layers
-        return load_packed_weights(self, scales.filter(weights), PACKED_MODULES,
+        return load_packed_weights(self, scales.filter(weights), PACKED_QKV_GATE_UP,
                                    skip) | scales.loaded
+
+
+GGUF_ARCH = GGUFArch(block_parts={"attn_q_norm": "self_attn.q_norm",
+                                  "attn_k_norm": "self_attn.k_norm"})

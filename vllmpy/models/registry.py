@@ -1,26 +1,40 @@
-"""Architecture name -> model class, imported on first use.
+"""Architecture name -> (config converter, model class), imported on first use.
 
-Keys are config.json ``architectures`` entries; GGUF files are mapped to the same names
-by the GGUF loader from ``general.architecture``. Qwen2 is the Llama layout with q/k/v
-biases (the config converter sets ``attention_bias``), so it shares Llama's implementation;
-Mistral likewise.
+Keys are config.json ``architectures`` entries. Each entry names the module under
+``vllmpy.models`` that holds the architecture's typed config (its ``from_hf`` converter)
+and its model class, and, where llama.cpp defines the architecture, its GGUF
+``general.architecture`` name (the module then also provides ``GGUF_ARCH``, see
+``vllmpy.loader.gguf_arch``). Adding a family is one new model file and one line here.
 """
 
 from __future__ import annotations
 
 import importlib
+from dataclasses import dataclass
+from typing import Any
 
 from torch import nn
 
-_MODELS: dict[str, tuple[str, str]] = {
-    "LlamaForCausalLM": ("vllmpy.models.llama", "LlamaForCausalLM"),
-    "MistralForCausalLM": ("vllmpy.models.llama", "LlamaForCausalLM"),
-    "Qwen2ForCausalLM": ("vllmpy.models.llama", "LlamaForCausalLM"),
-    "Qwen3ForCausalLM": ("vllmpy.models.qwen3", "Qwen3ForCausalLM"),
+from vllmpy.config import ConfigError, TextModelConfig
+
+
+@dataclass(frozen=True)
+class ModelEntry:
+    module: str  # vllmpy.models.<module>
+    config: str  # its TextModelConfig subclass, with ``from_hf(cfg, architecture)``
+    model: str  # its model class
+    gguf: str | None = None  # llama.cpp's general.architecture, when it loads from GGUF
+
+
+_MODELS: dict[str, ModelEntry] = {
+    "LlamaForCausalLM": ModelEntry("llama", "LlamaConfig", "LlamaForCausalLM", gguf="llama"),
+    "MistralForCausalLM": ModelEntry("llama", "LlamaConfig", "LlamaForCausalLM"),
+    "Qwen2ForCausalLM": ModelEntry("qwen2", "Qwen2Config", "LlamaForCausalLM", gguf="qwen2"),
+    "Qwen3ForCausalLM": ModelEntry("qwen3", "Qwen3Config", "Qwen3ForCausalLM", gguf="qwen3"),
 }
 
 
-class UnsupportedArchitectureError(ValueError):
+class UnsupportedArchitectureError(ConfigError):
     pass
 
 
@@ -28,11 +42,42 @@ def supported_architectures() -> list[str]:
     return sorted(_MODELS)
 
 
-def resolve_model_class(architectures: list[str]) -> type[nn.Module]:
+def gguf_architectures() -> dict[str, str]:
+    """GGUF general.architecture -> the Hugging Face architecture it loads as."""
+    return {e.gguf: arch for arch, e in _MODELS.items() if e.gguf is not None}
+
+
+def _entry(architectures: list[str]) -> tuple[str, ModelEntry]:
     for arch in architectures:
         if arch in _MODELS:
-            module, cls = _MODELS[arch]
-            return getattr(importlib.import_module(module), cls)
+            return arch, _MODELS[arch]
     raise UnsupportedArchitectureError(
         f"architecture {architectures} is not supported; supported: "
         f"{', '.join(supported_architectures())}")
+
+
+def _module(entry: ModelEntry) -> Any:
+    return importlib.import_module(f"vllmpy.models.{entry.module}")
+
+
+def text_config(hf_config: dict[str, Any]) -> TextModelConfig:
+    """The architecture's own typed config from a config.json dict. The architecture is
+    resolved first, so an unsupported one is named before any field is read."""
+    archs = hf_config.get("architectures")
+    if not isinstance(archs, list) or not archs or not all(isinstance(a, str) for a in archs):
+        raise ConfigError(f"model config has no usable 'architectures' entry (got {archs!r}); "
+                          "it names the model class, e.g. [\"LlamaForCausalLM\"]")
+    arch, entry = _entry(archs)
+    config_cls = getattr(_module(entry), entry.config)
+    return config_cls.from_hf(hf_config, arch)
+
+
+def resolve_model_class(architectures: list[str]) -> type[nn.Module]:
+    _, entry = _entry(architectures)
+    return getattr(_module(entry), entry.model)
+
+
+def gguf_module(gguf_architecture: str) -> Any | None:
+    """The model module of a GGUF ``general.architecture`` name, or None."""
+    arch = gguf_architectures().get(gguf_architecture)
+    return None if arch is None else _module(_MODELS[arch])

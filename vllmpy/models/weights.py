@@ -20,6 +20,17 @@ class WeightLoadError(ValueError):
     pass
 
 
+# checkpoint name fragment -> (packed parameter fragment, shard id) for the layers built
+# from ``SelfAttention`` (q/k/v -> qkv_proj) and ``GatedMLP`` (gate/up -> gate_up_proj)
+PACKED_QKV_GATE_UP: dict[str, tuple[str, str | int]] = {
+    "q_proj": ("qkv_proj", "q"),
+    "k_proj": ("qkv_proj", "k"),
+    "v_proj": ("qkv_proj", "v"),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+
+
 def load_packed_weights(
     model: nn.Module,
     weights: Iterable[tuple[str, torch.Tensor]],

@@ -146,9 +146,8 @@ class ModelRunner(StartupMixin):
         from vllmpy.layers.attention import report_kv_scales
 
         report_kv_scales(layers, cache.kv_cache_dtype)  # fp8 without checkpoint scales
-        if self.device.type == "cuda":
-            if not self.config.enforce_eager:
-                self._capture_graphs()
+        if self.device.type == "cuda" and not self.config.enforce_eager:
+            self._capture_graphs()
 
     def _attention_layers(self) -> list[Attention]:
         assert isinstance(self.model, nn.Module)
