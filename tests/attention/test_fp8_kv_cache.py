@@ -12,7 +12,6 @@ from safetensors.torch import load_file, save_file
 
 from vllmpy.attention.backend import TorchReferenceBackend, write_kv_cache
 from vllmpy.attention.metadata import AttentionMetadata
-from vllmpy.config import TextModelConfig
 from vllmpy.layers.attention import Attention, KVScaleLoader
 
 FP8 = torch.float8_e4m3fn
@@ -82,9 +81,9 @@ def test_non_fp8_caches_ignore_the_scales():
 # ---- scales from the checkpoint ------------------------------------------------------------
 
 def tiny_model(arch="LlamaForCausalLM"):
-    from vllmpy.models.registry import resolve_model_class
+    from vllmpy.models.registry import resolve_model_class, text_config
 
-    text = TextModelConfig.from_hf_config({**TINY, "architectures": [arch]})
+    text = text_config({**TINY, "architectures": [arch]})
     return resolve_model_class([arch])(text)
 
 
