@@ -31,6 +31,7 @@ _MODELS: dict[str, ModelEntry] = {
     "MistralForCausalLM": ModelEntry("llama", "LlamaConfig", "LlamaForCausalLM"),
     "Qwen2ForCausalLM": ModelEntry("qwen2", "Qwen2Config", "LlamaForCausalLM", gguf="qwen2"),
     "Qwen3ForCausalLM": ModelEntry("qwen3", "Qwen3Config", "Qwen3ForCausalLM", gguf="qwen3"),
+    "Phi3ForCausalLM": ModelEntry("phi3", "Phi3Config", "Phi3ForCausalLM", gguf="phi3"),
 }
 
 
