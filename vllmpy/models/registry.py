@@ -32,6 +32,8 @@ _MODELS: dict[str, ModelEntry] = {
     "Qwen2ForCausalLM": ModelEntry("qwen2", "Qwen2Config", "LlamaForCausalLM", gguf="qwen2"),
     "Qwen3ForCausalLM": ModelEntry("qwen3", "Qwen3Config", "Qwen3ForCausalLM", gguf="qwen3"),
     "Phi3ForCausalLM": ModelEntry("phi3", "Phi3Config", "Phi3ForCausalLM", gguf="phi3"),
+    "Olmo2ForCausalLM": ModelEntry("olmo2", "Olmo2Config", "Olmo2ForCausalLM", gguf="olmo2"),
+    "Olmo3ForCausalLM": ModelEntry("olmo3", "Olmo3Config", "Olmo2ForCausalLM"),
 }
 
 
