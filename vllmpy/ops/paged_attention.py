@@ -35,6 +35,14 @@ fp8 KV cache. A cache of dtype ``torch.float8_e4m3fn`` stores one byte per value
 the key scale folded into the score scale and the value scale applied to the weighted sum,
 one ``k_scale`` and one ``v_scale`` per layer. Caches of
 other dtypes ignore the scales. On CUDA, e4m3 needs compute capability 8.9 or newer.
+
+Attention features (Gemma-2/3, Mistral), each a constexpr of the kernels, so a launch
+without them compiles to the plain kernel:
+- ``sliding_window`` W: the query at position p sees the keys at positions p - W + 1 .. p.
+  A query block's loop starts at the tile of the first key its earliest query sees, and
+  split-KV divides only the tiles from there, so a long request with a small window
+  costs window-sized work.
+- ``logit_softcap`` c: a score s = scale * q.k becomes c * tanh(s / c) before the softmax.
 """
 
 from __future__ import annotations
@@ -61,6 +69,8 @@ MAX_SPLITS = 64
 # Programs per multiprocessor that split-KV aims for: a memory-bound program needs
 # company on its multiprocessor to keep enough loads in flight.
 PROGRAMS_PER_SM = 2
+LOG2E = math.log2(math.e)
+TWO_LOG2E = tl.constexpr(2 * LOG2E)
 
 
 # ---- reshape_and_cache -----------------------------------------------------------------
@@ -177,6 +187,35 @@ def online_softmax(s, m_i, l_i):
 
 
 @triton.jit
+def soft_cap(x, cap_log2):
+    """The softcapped score in the log2 domain, cap * tanh(x) * log2(e), from x = s / cap
+    (s the natural-domain score, cap_log2 = cap * log2(e)): tanh as 1 - 2 / (1 + e^2x),
+    which saturates to +-1 without overflow."""
+    return cap_log2 - 2.0 * cap_log2 / (1.0 + tl.exp2(x * TWO_LOG2E))
+
+
+def score_scales(scale: float, logit_softcap: float | None) -> tuple[float, float]:
+    """(the factor of q.k, the softcap in the log2 domain) as the kernels take them: scores
+    are q.k * scale * log2(e), or with a softcap c, q.k * scale / c for ``soft_cap``."""
+    if logit_softcap is None:
+        return scale * LOG2E, 0.0
+    return scale / logit_softcap, logit_softcap * LOG2E
+
+
+def check_features(sliding_window: int | None, logit_softcap: float | None) -> None:
+    """Refuse a window below 1 (or not an integer) and a softcap that is not a positive
+    finite number."""
+    if sliding_window is not None and (isinstance(sliding_window, bool)
+                                       or not isinstance(sliding_window, int)
+                                       or sliding_window < 1):
+        raise ValueError(f"sliding_window must be a positive integer (or None for no window), "
+                         f"got {sliding_window!r}")
+    if logit_softcap is not None and not (math.isfinite(logit_softcap) and logit_softcap > 0):
+        raise ValueError(f"logit_softcap must be a positive finite number (or None for no "
+                         f"softcap), got {logit_softcap!r}")
+
+
+@triton.jit
 def store_partial(part_acc_ptr, part_ml_ptr, part, acc, m_i, l_i, row_ok,
                   DIM_PAD: tl.constexpr):
     """A split's unnormalised rows: acc at part_acc[part] ([..., DIM_PAD]), (m, l) at
@@ -224,13 +263,14 @@ def merge_partials(part_acc_ptr, part_ml_ptr, out_ptr, tok, head, num_heads, num
 def _paged_attention_kernel(
     q_ptr, cache_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
     query_start_ptr, seq_lens_ptr, block_table_ptr,
-    scale_log2, k_scale, v_scale, num_seqs, num_splits, num_heads, head_dim,
+    score_scale, k_scale, v_scale, window, softcap_log2,
+    num_seqs, num_splits, num_heads, head_dim,
     stride_q_tok, stride_q_head, stride_o_tok, stride_o_head,
     stride_c_kv, stride_c_blk, stride_c_slot, stride_c_head, stride_bt,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
     BLOCK_M: tl.constexpr, TILE_N: tl.constexpr, DIM_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    QUANT: tl.constexpr, PDL: tl.constexpr,
+    QUANT: tl.constexpr, SLIDING: tl.constexpr, SOFTCAP: tl.constexpr, PDL: tl.constexpr,
 ):
     pdl_wait(PDL)
     q_block = tl.program_id(0)
@@ -268,19 +308,23 @@ def _paged_attention_kernel(
                 + dims[None, :], mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
     # q: [BLOCK_M, DIM_PAD]
 
-    # Keys at positions [0, kv_end) are visible to some row of the block; this program
-    # takes tiles [tile_lo, tile_hi) of them.
+    # Keys at positions [0, kv_end) are visible to some row of the block (with a window,
+    # none before the window of its first row, the earliest); this program takes tiles
+    # [tile_lo, tile_hi) of those from tile_first on.
     kv_end = tl.minimum(seq_len, context_len + (local_block + 1) * BLOCK_Q)
     num_tiles = tl.cdiv(kv_end, TILE_N)
+    tile_first = 0
+    if SLIDING:
+        tile_first = tl.maximum(context_len + local_block * BLOCK_Q - window + 1, 0) // TILE_N
     if SPLIT:
-        per_split = tl.cdiv(num_tiles, num_splits)
-        tile_lo = split * per_split
+        per_split = tl.cdiv(num_tiles - tile_first, num_splits)
+        tile_lo = tile_first + split * per_split
         tile_hi = tl.minimum(num_tiles, tile_lo + per_split)
     else:
-        tile_lo = 0
+        tile_lo = tile_first
         tile_hi = num_tiles
 
-    qk_scale = scale_log2 * k_scale if QUANT else scale_log2
+    qk_scale = score_scale * k_scale if QUANT else score_scale
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max, log2 domain
     l_i = tl.zeros([BLOCK_M], tl.float32)  # running sum of exp2(s - m_i)
     acc = tl.zeros([BLOCK_M, DIM_PAD], tl.float32)
@@ -296,8 +340,12 @@ def _paged_attention_kernel(
         # An fp8 page converts straight to q's dtype (exact: e4m3 fits in bf16 and fp32);
         # the key scale is folded into the score scale (QK_SCALE) instead of the tile.
         s = tl.dot(q, k.to(q.dtype), input_precision=DOT_PRECISION) * qk_scale
+        if SOFTCAP:
+            s = soft_cap(s, softcap_log2)
         # s: [BLOCK_M, TILE_N]
         visible = key_ok[None, :] & (key_pos[None, :] <= row_pos[:, None])
+        if SLIDING:
+            visible = visible & (key_pos[None, :] > row_pos[:, None] - window)
         s = tl.where(visible, s, float("-inf"))
         p, alpha, m_new, l_i = online_softmax(s, m_i, l_i)
         v = tl.load(cache_ptr + stride_c_kv + key_off[:, None] + dims[None, :],
@@ -396,7 +444,9 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor,
                     block_tables: torch.Tensor, *, scale: float, max_query_len: int,
                     max_seq_len: int, num_splits: int | None = None,
                     config: AttentionKernelConfig | None = None,
-                    k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
+                    k_scale: float = 1.0, v_scale: float = 1.0,
+                    sliding_window: int | None = None,
+                    logit_softcap: float | None = None) -> torch.Tensor:
     """Attention of every request's new queries over its cached keys and values.
 
     q, out: [num_tokens, num_heads, head_dim] (rows past ``query_start_loc[-1]`` are
@@ -406,9 +456,12 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor,
     bound the batch's query lengths and sequence lengths (the host knows them); they
     pick the kernel variant and the split count, never the result. ``num_splits`` fixes
     the split count (a CUDA graph needs the same one on every replay). An fp8 cache is
-    read as ``page * k_scale`` / ``page * v_scale``. Returns ``out``.
+    read as ``page * k_scale`` / ``page * v_scale``. ``sliding_window`` W limits the query
+    at position p to the keys at p - W + 1 .. p; ``logit_softcap`` c turns each score s
+    into c * tanh(s / c). Returns ``out``.
     """
     _check_attention_args(q, kv_cache, out, query_start_loc, seq_lens, block_tables)
+    check_features(sliding_window, logit_softcap)
     quant = kv_cache.dtype == FP8_KV_DTYPE
     if quant:
         _check_scales(k_scale, v_scale)
@@ -427,16 +480,21 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor,
     num_q_blocks = num_tokens // block_q + num_seqs
     if num_splits is None:
         busy_blocks = max(num_seqs, min(num_q_blocks, num_tokens // block_q))
-        num_splits = choose_num_splits(busy_blocks * num_kv_heads, max_seq_len,
+        # a query block's keys: a window's worth past its first query, at most
+        span = max_seq_len
+        if sliding_window is not None:
+            span = min(span, sliding_window + min(block_q, max_query_len) - 1)
+        num_splits = choose_num_splits(busy_blocks * num_kv_heads, span,
                                        num_multiprocessors(q.device))
     if num_splits < 1:
         raise ValueError(f"num_splits must be at least 1, got {num_splits}")
     dim_pad = triton.next_power_of_2(head_dim)
     part_acc, part_ml = partial_buffers(out, num_tokens, num_heads, num_splits, dim_pad)
+    score_scale, softcap_log2 = score_scales(scale, logit_softcap)
     _paged_attention_kernel[(num_q_blocks, num_kv_heads, num_splits)](
         q, kv_cache, out, part_acc, part_ml,
         query_start_loc, seq_lens, block_tables,
-        scale * math.log2(math.e), float(k_scale), float(v_scale),
+        score_scale, float(k_scale), float(v_scale), sliding_window or 0, softcap_log2,
         num_seqs, num_splits, num_heads, head_dim,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
@@ -444,6 +502,7 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor,
         GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, BLOCK_M=cfg.block_m,
         TILE_N=cfg.tile_n, DIM_PAD=dim_pad, BLOCK_SIZE=block_size, SPLIT=num_splits > 1,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", QUANT=quant,
+        SLIDING=sliding_window is not None, SOFTCAP=logit_softcap is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(q.device),
     )
     if num_splits > 1:
@@ -458,11 +517,12 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor,
 
 def paged_attention_ref(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: torch.Tensor,
                         seq_lens: torch.Tensor, block_tables: torch.Tensor,
-                        scale: float, k_scale: float = 1.0,
-                        v_scale: float = 1.0) -> torch.Tensor:
+                        scale: float, k_scale: float = 1.0, v_scale: float = 1.0,
+                        sliding_window: int | None = None,
+                        logit_softcap: float | None = None) -> torch.Tensor:
     """PyTorch reference for ``paged_attention``: per request, gather its blocks and run
-    masked softmax attention in fp32 (an fp8 cache dequantized as page * scale). Rows past
-    the last request come back as zeros."""
+    masked softmax attention in fp32 (an fp8 cache dequantized as page * scale), with the
+    window and the softcap when given. Rows past the last request come back as zeros."""
     quant = kv_cache.dtype == FP8_KV_DTYPE
     out = torch.zeros_like(q)
     block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
@@ -481,8 +541,13 @@ def paged_attention_ref(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc
         kv = kv.repeat_interleave(group, dim=2)
         query = q[q_start:q_end].float()  # [q_len, heads, head_dim]
         scores = torch.einsum("qhd,khd->hqk", query, kv[0]) * scale
+        if logit_softcap is not None:
+            scores = torch.tanh(scores / logit_softcap) * logit_softcap
         q_pos = torch.arange(seq_len - (q_end - q_start), seq_len, device=q.device)
-        visible = q_pos[:, None] >= torch.arange(seq_len, device=q.device)[None, :]
+        behind = q_pos[:, None] - torch.arange(seq_len, device=q.device)[None, :]
+        visible = behind >= 0  # [q_len, seq_len]
+        if sliding_window is not None:
+            visible &= behind < sliding_window
         scores = scores.masked_fill(~visible, float("-inf"))
         out[q_start:q_end] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), kv[1]).to(q.dtype)
     return out
