@@ -20,11 +20,13 @@ this launch writes.
 Rotary is the NeoX form (the two halves of each head rotate together), as
 ``vllmpy.ops.fused.rotary_embedding``: heads are handled as two halves of head_dim / 2,
 which must be a power of two of at least 16.
+
+A sliding window and a logit softcap are taken as ``paged_attention`` takes them, as
+constexprs. The window's first key is ``seq_len - window``; the splits divide only the
+tiles from the one that holds it, in the attention kernel and the merge alike.
 """
 
 from __future__ import annotations
-
-import math
 
 import torch
 import triton
@@ -33,12 +35,15 @@ import triton.language as tl
 from vllmpy.ops.checks import check_same_device
 from vllmpy.ops.fused import load_norm_halves, norm_rotate_halves
 from vllmpy.ops.paged_attention import (
+    check_features,
     choose_num_splits,
     key_offsets,
     merge_partials,
     num_multiprocessors,
     online_softmax,
     partial_buffers,
+    score_scales,
+    soft_cap,
     store_normalized,
     store_partial,
 )
@@ -77,12 +82,27 @@ def _load_tile(cache_ptr, table_row, key_pos, key_ok, kv_head, half, dims, strid
 
 
 @triton.jit
-def _attend_tile(q1, q2, k1, k2, v, key_ok, acc, m_i, l_i, scale_log2,
-                 DOT_PRECISION: tl.constexpr):
-    """One tile into the running (acc, m, l) of the online softmax."""
+def _window_start(seq_len, window):
+    """The first key a decode's query (at seq_len - 1) sees within the window."""
+    return tl.maximum(seq_len - window, 0)
+
+
+@triton.jit
+def _splits_used(tiles, num_splits, MIN_TILES: tl.constexpr):
+    """Splits a request of ``tiles`` tiles uses: one per MIN_TILES tiles, at least one."""
+    return tl.minimum(num_splits, tl.maximum(tl.cdiv(tiles, MIN_TILES), 1))
+
+
+@triton.jit
+def _attend_tile(q1, q2, k1, k2, v, seen, acc, m_i, l_i, score_scale, softcap_log2,
+                 DOT_PRECISION: tl.constexpr, SOFTCAP: tl.constexpr):
+    """One tile into the running (acc, m, l) of the online softmax; seen [TILE] marks
+    the keys the query sees."""
     s = tl.dot(q1, k1, input_precision=DOT_PRECISION)
-    s = tl.dot(q2, k2, acc=s, input_precision=DOT_PRECISION) * scale_log2
-    s = tl.where(key_ok[None, :], s, float("-inf"))  # [BLOCK_M, TILE]
+    s = tl.dot(q2, k2, acc=s, input_precision=DOT_PRECISION) * score_scale
+    if SOFTCAP:
+        s = soft_cap(s, softcap_log2)
+    s = tl.where(seen[None, :], s, float("-inf"))  # [BLOCK_M, TILE]
     p, alpha, m_new, l_i = online_softmax(s, m_i, l_i)
     acc = acc * alpha[:, None] + tl.dot(p.to(q1.dtype), v, input_precision=DOT_PRECISION)
     return acc, m_new, l_i
@@ -102,13 +122,13 @@ def _new_token(src, kv_head, num_heads, num_kv_heads, half, dims, HEAD_DIM: tl.c
 def _decode_attention_kernel(
     qkv_ptr, pos_ptr, cos_sin_ptr, qw_ptr, kw_ptr, slot_ptr,
     cache_ptr, out_ptr, part_acc_ptr, part_ml_ptr, seq_lens_ptr, block_table_ptr,
-    scale_log2, eps, num_splits, num_heads, num_kv_heads,
+    score_scale, eps, window, softcap_log2, num_splits, num_heads, num_kv_heads,
     stride_qkv, stride_cs, stride_o_tok, stride_o_head,
     stride_c_kv, stride_c_blk, stride_c_slot, stride_c_head, stride_bt,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, TILE: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, SPLIT: tl.constexpr,
     MIN_TILES: tl.constexpr, QK_NORM: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    PDL: tl.constexpr,
+    SLIDING: tl.constexpr, SOFTCAP: tl.constexpr, PDL: tl.constexpr,
 ):
     HALF: tl.constexpr = HEAD_DIM // 2
     seq = tl.program_id(0)
@@ -129,17 +149,22 @@ def _decode_attention_kernel(
     pos = tl.load(pos_ptr + tok).to(tl.int64)
     cos = tl.load(cos_sin_ptr + pos * stride_cs + half)[None, :]  # [1, HALF] fp32
     sin = tl.load(cos_sin_ptr + pos * stride_cs + HALF + half)[None, :]
-    # This program's tiles of the request's keys; the last key (the new token) is taken
-    # from qkv by the program whose range holds it, the others come from the cache.
+    # This program's tiles of the request's keys (those from kv_start on); the last key
+    # (the new token) is taken from qkv by the program whose range holds it, the others
+    # come from the cache.
     last = seq_len - 1
     num_tiles = tl.cdiv(seq_len, TILE)
+    tile_first = 0
+    if SLIDING:
+        kv_start = _window_start(seq_len, window)
+        tile_first = kv_start // TILE
     used = 1  # splits this request uses
     table_row = block_table_ptr + seq * stride_bt
     cols = tl.arange(0, TILE)
     if SPLIT:
-        used = tl.minimum(num_splits, tl.maximum(tl.cdiv(num_tiles, MIN_TILES), 1))
-        per_split = tl.cdiv(num_tiles, used)
-        tile_lo = split * per_split
+        used = _splits_used(num_tiles - tile_first, num_splits, MIN_TILES)
+        per_split = tl.cdiv(num_tiles - tile_first, used)
+        tile_lo = tile_first + split * per_split
         tile_hi = tl.minimum(num_tiles, tile_lo + per_split)
         # A split launch is a small batch's: its first tile streams in while the kernel
         # before finishes; at a decode's usual lengths it is the program's only one. (All
@@ -154,7 +179,7 @@ def _decode_attention_kernel(
         qw1, qw2 = load_norm_halves(qw_ptr, HEAD_DIM, HALF, QK_NORM)
         kw1, kw2 = load_norm_halves(kw_ptr, HEAD_DIM, HALF, QK_NORM)
     else:
-        tile_lo = 0
+        tile_lo = tile_first
         tile_hi = num_tiles
     pdl_wait(PDL)
     if SPLIT and split >= used:
@@ -179,9 +204,14 @@ def _decode_attention_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)  # running sum of exp2(s - m_i)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     first = tile_lo
+    # A window's first tile is loaded whole (its keys before the window are cached keys
+    # like the others) and masked in the scores.
     if SPLIT:
-        acc, m_i, l_i = _attend_tile(q1, q2, k1, k2, v, key_ok, acc, m_i, l_i, scale_log2,
-                                     DOT_PRECISION)
+        seen = key_ok
+        if SLIDING:
+            seen = seen & (key_pos >= kv_start)
+        acc, m_i, l_i = _attend_tile(q1, q2, k1, k2, v, seen, acc, m_i, l_i, score_scale,
+                                     softcap_log2, DOT_PRECISION, SOFTCAP)
         first = tile_lo + 1
     for tile in range(first, tile_hi):
         key_pos = tile * TILE + cols
@@ -189,8 +219,11 @@ def _decode_attention_kernel(
         k1, k2, v = _load_tile(cache_ptr, table_row, key_pos, key_ok, kv_head, half, dims,
                                stride_c_kv, stride_c_blk, stride_c_slot, stride_c_head,
                                HALF, BLOCK_SIZE)
-        acc, m_i, l_i = _attend_tile(q1, q2, k1, k2, v, key_ok, acc, m_i, l_i, scale_log2,
-                                     DOT_PRECISION)
+        seen = key_ok
+        if SLIDING:
+            seen = seen & (key_pos >= kv_start)
+        acc, m_i, l_i = _attend_tile(q1, q2, k1, k2, v, seen, acc, m_i, l_i, score_scale,
+                                     softcap_log2, DOT_PRECISION, SOFTCAP)
 
     last_tile = last // TILE
     if (seq_len > 0) & (last_tile >= tile_lo) & (last_tile < tile_hi):
@@ -209,7 +242,9 @@ def _decode_attention_kernel(
             tl.store(dst + HALF + half[None, :], k2n)
             tl.store(dst + stride_c_kv + dims, v_new)
         s_new = (tl.sum(q1.to(tl.float32) * k1n.to(tl.float32), 1)
-                 + tl.sum(q2.to(tl.float32) * k2n.to(tl.float32), 1)) * scale_log2
+                 + tl.sum(q2.to(tl.float32) * k2n.to(tl.float32), 1)) * score_scale
+        if SOFTCAP:
+            s_new = soft_cap(s_new, softcap_log2)
         p, alpha, m_new, l_i = online_softmax(s_new[:, None], m_i, l_i)  # p: [BLOCK_M, 1]
         # p rounds to the model's dtype before it weighs the value, as in the tiles' dot
         acc = (acc * alpha[:, None]
@@ -226,16 +261,20 @@ def _decode_attention_kernel(
 
 
 @triton.jit(do_not_specialize=["num_splits"])
-def _merge_kernel(part_acc_ptr, part_ml_ptr, out_ptr, seq_lens_ptr, num_splits, num_heads,
-                  stride_o_tok, stride_o_head, TILE: tl.constexpr, MIN_TILES: tl.constexpr,
-                  SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, PDL: tl.constexpr):
+def _merge_kernel(part_acc_ptr, part_ml_ptr, out_ptr, seq_lens_ptr, window, num_splits,
+                  num_heads, stride_o_tok, stride_o_head, TILE: tl.constexpr,
+                  MIN_TILES: tl.constexpr, SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+                  SLIDING: tl.constexpr, PDL: tl.constexpr):
     # One (request, query head): the softmax-weighted sum of the partials of the splits
     # the request used; a request that used one split has its output already. The
     # request's length is a step input, read before the wait (vllmpy.ops.pdl).
     tok = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
-    num_tiles = tl.cdiv(tl.load(seq_lens_ptr + tok), TILE)
-    used = tl.minimum(num_splits, tl.maximum(tl.cdiv(num_tiles, MIN_TILES), 1))
+    seq_len = tl.load(seq_lens_ptr + tok)
+    tiles = tl.cdiv(seq_len, TILE)
+    if SLIDING:
+        tiles -= _window_start(seq_len, window) // TILE
+    used = _splits_used(tiles, num_splits, MIN_TILES)
     pdl_wait(PDL)
     if used == 1:
         return
@@ -244,10 +283,12 @@ def _merge_kernel(part_acc_ptr, part_ml_ptr, out_ptr, seq_lens_ptr, num_splits, 
                    SPLITS_PAD, HEAD_DIM)
 
 
-def supports(head_dim: int, kv_cache: torch.Tensor, dtype: torch.dtype) -> bool:
+def supports(head_dim: int, kv_cache: torch.Tensor, dtype: torch.dtype, *,
+             sliding_window: int | None = None, logit_softcap: float | None = None) -> bool:
     """Whether ``decode_attention`` takes this geometry: head_dim / 2 a power of two of at
     least 16, and a cache of the model's own dtype (an fp8 cache needs the quantizing
-    writer)."""
+    writer). Every sliding window and logit softcap is taken, alone or together."""
+    del sliding_window, logit_softcap  # the kernel handles both
     half = head_dim // 2
     return (head_dim % 2 == 0 and half >= 16 and half & (half - 1) == 0
             and kv_cache.dtype == dtype)
@@ -259,7 +300,9 @@ def decode_attention(qkv: torch.Tensor, positions: torch.Tensor, cos_sin_cache: 
                      scale: float, max_seq_len: int, q_norm_weight: torch.Tensor | None = None,
                      k_norm_weight: torch.Tensor | None = None, eps: float = 0.0,
                      num_splits: int | None = None,
-                     min_tiles_per_split: int = MIN_TILES_PER_SPLIT) -> torch.Tensor:
+                     min_tiles_per_split: int = MIN_TILES_PER_SPLIT,
+                     sliding_window: int | None = None,
+                     logit_softcap: float | None = None) -> torch.Tensor:
     """Attention output [num_seqs, num_heads, head_dim] of a decode step, one query token
     per request (token i is request i's: a decode step's query_start_loc is arange), from
     ``qkv`` [num_seqs, (num_heads + 2 * num_kv_heads) * head_dim] (q, k, v packed, before
@@ -269,7 +312,9 @@ def decode_attention(qkv: torch.Tensor, positions: torch.Tensor, cos_sin_cache: 
     ``q_norm_weight`` and ``k_norm_weight`` ([head_dim], of qkv's dtype) q and k get
     Qwen3's per-head RMSNorm (``eps``) first. ``max_seq_len`` and ``num_splits`` as in
     ``paged_attention``; a request uses at most one split per ``min_tiles_per_split``
-    tiles of its keys."""
+    tiles of its keys (of its window's, with a window). ``sliding_window`` and
+    ``logit_softcap`` as in ``paged_attention``."""
+    check_features(sliding_window, logit_softcap)
     num_seqs = seq_lens.shape[0]
     if kv_cache.dim() != 5 or kv_cache.shape[0] != 2 or kv_cache.stride(-1) != 1:
         raise ValueError("kv_cache must be [2, num_blocks, block_size, num_kv_heads, "
@@ -316,7 +361,8 @@ def decode_attention(qkv: torch.Tensor, positions: torch.Tensor, cos_sin_cache: 
     if num_seqs == 0:
         return out
     if num_splits is None:
-        num_splits = choose_num_splits(num_seqs * num_kv_heads, max_seq_len,
+        span = max_seq_len if sliding_window is None else min(max_seq_len, sliding_window)
+        num_splits = choose_num_splits(num_seqs * num_kv_heads, span,
                                        num_multiprocessors(qkv.device))
     if num_splits < 1:
         raise ValueError(f"num_splits must be at least 1, got {num_splits}")
@@ -326,11 +372,14 @@ def decode_attention(qkv: torch.Tensor, positions: torch.Tensor, cos_sin_cache: 
     group = num_heads // num_kv_heads
     tile = SPLIT_TILE_N if num_splits > 1 else TILE_N  # the merge counts the same tiles
     pdl = pdl_args(qkv.device)
+    score_scale, softcap_log2 = score_scales(scale, logit_softcap)
+    window = sliding_window or 0
+    sliding = sliding_window is not None
     _decode_attention_kernel[(num_seqs, num_kv_heads, num_splits)](
         qkv, positions, cos_sin_cache, q_norm_weight if qk_norm else qkv,
         k_norm_weight if qk_norm else qkv, slot_mapping,
         kv_cache, out, part_acc, part_ml, seq_lens, block_tables,
-        scale * math.log2(math.e), float(eps), num_splits, num_heads, num_kv_heads,
+        score_scale, float(eps), window, softcap_log2, num_splits, num_heads, num_kv_heads,
         qkv.stride(0), cos_sin_cache.stride(0), out.stride(0), out.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         block_tables.stride(0),
@@ -338,13 +387,14 @@ def decode_attention(qkv: torch.Tensor, positions: torch.Tensor, cos_sin_cache: 
         HEAD_DIM=head_dim, BLOCK_SIZE=block_size, SPLIT=num_splits > 1,
         MIN_TILES=min_tiles_per_split, QK_NORM=qk_norm,
         DOT_PRECISION="ieee" if qkv.dtype == torch.float32 else "tf32",
+        SLIDING=sliding, SOFTCAP=logit_softcap is not None,
         num_warps=SPLIT_WARPS if num_splits > 1 else 4, num_stages=3, **pdl,
     )
     if num_splits > 1:
         _merge_kernel[(num_seqs, num_heads)](
-            part_acc, part_ml, out, seq_lens, num_splits, num_heads,
+            part_acc, part_ml, out, seq_lens, window, num_splits, num_heads,
             out.stride(0), out.stride(1), TILE=tile, MIN_TILES=min_tiles_per_split,
             SPLITS_PAD=triton.next_power_of_2(num_splits), HEAD_DIM=head_dim,
-            num_warps=MERGE_WARPS, **pdl,
+            SLIDING=sliding, num_warps=MERGE_WARPS, **pdl,
         )
     return out
