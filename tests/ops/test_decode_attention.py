@@ -15,6 +15,7 @@ pytest.importorskip("triton")
 
 from vllmpy.attention.metadata import AttentionMetadata  # noqa: E402
 from vllmpy.attention.triton_backend import TritonAttentionBackend  # noqa: E402
+from vllmpy.layers.attention import SelfAttention  # noqa: E402
 from vllmpy.layers.rotary import RotaryEmbedding  # noqa: E402
 from vllmpy.ops.decode_attention import decode_attention, supports  # noqa: E402
 from vllmpy.ops.fused import qk_norm_rotary_ref, rotary_embedding_ref  # noqa: E402
@@ -170,14 +171,15 @@ def test_the_backend_takes_decode_steps_only():
     heads, kv_heads, dim = 4, 2, 32
     step = make_step([20, 3], heads, kv_heads, dim, 16, torch.float32)
     backend = TritonAttentionBackend(heads, kv_heads, dim, 1 / math.sqrt(dim), num_splits=2)
+    # a block without q/k norms: the backend fuses a decode step whole, or nothing
+    block = SelfAttention(16, heads, kv_heads, dim, rotary=RotaryEmbedding(dim, 4096, 10000.0))
     cache = step["kv_cache"].clone()
-    out = backend.decode_from_qkv(step["qkv"], step["positions"], step["cos_sin_cache"],
-                                  cache, _meta(step, 1))
+    out = backend.fused_qkv(block, step["qkv"], step["positions"], cache, _meta(step, 1))
     ref, _ = reference(step, heads, kv_heads, dim)
-    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out, ref.reshape(2, -1), atol=1e-5, rtol=1e-5)
     # a step with a longer query, or a cache it cannot write, takes the separate path
-    assert backend.decode_from_qkv(step["qkv"], step["positions"], step["cos_sin_cache"],
-                                   cache, _meta(step, 2)) is None
+    assert backend.fused_qkv(block, step["qkv"], step["positions"], cache,
+                             _meta(step, 2)) is None
     fp8 = torch.zeros(cache.shape, dtype=FP8_KV_DTYPE, device=DEVICE)
-    assert backend.decode_from_qkv(step["qkv"], step["positions"], step["cos_sin_cache"],
-                                   fp8, _meta(step, 1)) is None
+    assert backend.fused_qkv(block, step["qkv"], step["positions"], fp8,
+                             _meta(step, 1)) is None
