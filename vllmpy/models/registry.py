@@ -34,6 +34,7 @@ _MODELS: dict[str, ModelEntry] = {
     "Phi3ForCausalLM": ModelEntry("phi3", "Phi3Config", "Phi3ForCausalLM", gguf="phi3"),
     "Olmo2ForCausalLM": ModelEntry("olmo2", "Olmo2Config", "Olmo2ForCausalLM", gguf="olmo2"),
     "Olmo3ForCausalLM": ModelEntry("olmo3", "Olmo3Config", "Olmo2ForCausalLM"),
+    "Exaone4ForCausalLM": ModelEntry("exaone4", "Exaone4Config", "Exaone4ForCausalLM"),
 }
 
 
