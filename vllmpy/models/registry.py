@@ -35,6 +35,7 @@ _MODELS: dict[str, ModelEntry] = {
     "Olmo2ForCausalLM": ModelEntry("olmo2", "Olmo2Config", "Olmo2ForCausalLM", gguf="olmo2"),
     "Olmo3ForCausalLM": ModelEntry("olmo3", "Olmo3Config", "Olmo2ForCausalLM"),
     "Exaone4ForCausalLM": ModelEntry("exaone4", "Exaone4Config", "Exaone4ForCausalLM"),
+    "GraniteForCausalLM": ModelEntry("granite", "GraniteConfig", "GraniteForCausalLM"),
 }
 
 
