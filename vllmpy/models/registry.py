@@ -36,6 +36,7 @@ _MODELS: dict[str, ModelEntry] = {
     "Olmo3ForCausalLM": ModelEntry("olmo3", "Olmo3Config", "Olmo2ForCausalLM"),
     "Exaone4ForCausalLM": ModelEntry("exaone4", "Exaone4Config", "Exaone4ForCausalLM"),
     "GraniteForCausalLM": ModelEntry("granite", "GraniteConfig", "GraniteForCausalLM"),
+    "SmolLM3ForCausalLM": ModelEntry("smollm3", "SmolLM3Config", "SmolLM3ForCausalLM"),
 }
 
 

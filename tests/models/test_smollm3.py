@@ -1,0 +1,102 @@
+"""SmolLM3 (NoPE layers, optional sliding windows) against transformers'
+SmolLM3ForCausalLM on tiny random weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hf_oracle import assert_outputs_match
+
+from vllmpy import LLM, SamplingParams
+from vllmpy.config import ConfigError
+from vllmpy.models.smollm3 import SmolLM3Config
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True, logprobs=5)
+BASE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+            num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
+            max_position_embeddings=256, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2,
+            pad_token_id=0)
+CONFIGS = {
+    # SmolLM3-3B's shape: every 4th layer without rope, no window, tied embeddings
+    "nope": dict(no_rope_layer_interval=4, tie_word_embeddings=True),
+    # windows on: by transformers' default the NoPE layers slide; biases everywhere
+    "window": dict(no_rope_layers=[1, 0, 1, 0], use_sliding_window=True, sliding_window=10,
+                   attention_bias=True, mlp_bias=True, tie_word_embeddings=False,
+                   rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
+}
+
+
+def _make(kind: str, path) -> torch.nn.Module:
+    import transformers as tf
+
+    torch.manual_seed(0)
+    model = tf.SmolLM3ForCausalLM(tf.SmolLM3Config(**BASE, **CONFIGS[kind]))
+    with torch.no_grad():  # larger-than-default weights make the logits decisive
+        for name, p in model.named_parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.15)
+            elif "norm" in name:
+                p.normal_(1.0, 0.1)
+            else:
+                p.normal_(0, 0.1)
+    model = model.float().eval()
+    model.save_pretrained(path, safe_serialization=True)
+    return model
+
+
+def _prompts(n: int, seed: int = 1) -> list[list[int]]:
+    """20 to 40 tokens: with 32 generated, well past the window of 10."""
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.randint(20, 41, (n,), generator=g).tolist()
+    return [torch.randint(0, BASE["vocab_size"], (k,), generator=g).tolist() for k in lens]
+
+
+def _llm(path, **kwargs) -> LLM:
+    args = dict(skip_tokenizer_init=True, device="cpu", dtype="float32", block_size=16,
+                num_blocks=64)
+    return LLM(str(path), **{**args, **kwargs})
+
+
+@pytest.fixture(scope="module", params=list(CONFIGS))
+def tiny(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp(f"smollm3-{request.param}")
+    return request.param, path, _make(request.param, path)
+
+
+def test_greedy_and_logprobs_match_transformers(tiny):
+    kind, path, hf_model = tiny
+    prompts = _prompts(4)
+    outs = _llm(path).generate(prompts, GREEDY)
+    assert_outputs_match(outs, hf_model, prompts, min_tokens=4 * 16, label=f"smollm3 {kind}")
+
+
+def test_batching_chunking_and_preemption_agree(tiny):
+    """Together in small prefill chunks under preemption, and one at a time: the same
+    greedy tokens, and every block is free afterwards."""
+    kind, path, _ = tiny
+    if kind != "window":
+        pytest.skip("one config covers the schedule")
+    prompts = _prompts(6, seed=2)
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    base = _llm(path)
+    alone = [base.generate([p], params)[0].outputs[0].token_ids for p in prompts]
+    small = _llm(path, block_size=4, num_blocks=24, max_model_len=80,
+                 max_num_batched_tokens=7)
+    together = [o.outputs[0].token_ids for o in small.generate(prompts, params)]
+    assert together == alone
+    core = small.engine.engine_core
+    assert core.scheduler.num_preemptions_total > 0
+    assert core.kv_cache_manager.num_free_blocks == 24
+
+
+def test_config_reading_and_refusals():
+    base = dict(BASE, architectures=["SmolLM3ForCausalLM"])
+    cfg = SmolLM3Config.from_hf(base, "SmolLM3ForCausalLM")
+    assert cfg.layer_rotary == (True, True, True, False)
+    assert cfg.rope_theta == 2000000.0  # transformers' default for the family
+    assert cfg.layer_windows == (None,) * 4
+    with pytest.raises(ConfigError, match="no_rope_layers"):
+        SmolLM3Config.from_hf({**base, "no_rope_layers": [1, 2, 1, 0]}, "SmolLM3ForCausalLM")
+    with pytest.raises(ConfigError, match="use_sliding_window"):
+        SmolLM3Config.from_hf({**base, "sliding_window": 8,
+                               "layer_types": ["sliding_attention"] * 4}, "SmolLM3ForCausalLM")
