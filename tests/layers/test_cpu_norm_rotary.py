@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vllmpy.layers.norm import RMSNorm, rms_norm_cpu, rms_norm_torch
-from vllmpy.layers.rotary import RotaryEmbedding, rotary_cpu, rotary_torch
+from vllmpy.layers.norm import RMSNorm
+from vllmpy.layers.rotary import RotaryEmbedding
+from vllmpy.ops.native import rms_norm_cpu, rms_norm_torch, rotary_cpu, rotary_torch
 
 DTYPES = [torch.float32, torch.bfloat16]
 SHAPES = [(1, 576), (64, 576), (17, 64), (5, 3, 32), (300, 100)]
@@ -65,6 +66,7 @@ ROPES = {
                                "high_freq_factor": 4.0,
                                "original_max_position_embeddings": 256}),
     "linear": (32, 10000.0, {"type": "linear", "factor": 2.0}),
+    "partial": (64, 10000.0, {"rope_type": "default", "partial_rotary_factor": 0.5}),
 }
 
 

@@ -46,28 +46,45 @@ def silu_and_mul_torch(x: torch.Tensor) -> torch.Tensor:
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x: [num_tokens, num_heads, head_dim]; cos/sin: [num_tokens, 1, head_dim / 2]
+    # x: [num_tokens, num_heads, rotary_dim]; cos/sin: [num_tokens, 1, rotary_dim / 2];
+    # pairs are the two halves (NeoX)
     x1, x2 = x.float().chunk(2, dim=-1)
     out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
     return out.to(x.dtype)
 
 
+def _rotate_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # as _rotate, with pairs of neighbours (2i, 2i + 1) (GPT-J)
+    xf = x.float()
+    x1, x2 = xf[..., 0::2], xf[..., 1::2]
+    out = torch.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).flatten(-2)
+    return out.to(x.dtype)
+
+
 def rotary_torch(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
-                 cos_sin_cache: torch.Tensor, head_dim: int
+                 cos_sin_cache: torch.Tensor, head_dim: int, is_neox_style: bool = True
                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotate-half rotary on q and k ([num_tokens, num_heads * head_dim]) in fp32, with
-    ``cos_sin_cache`` [max_position, head_dim] (cos first half, sin second)."""
+    """Rotary on q and k ([num_tokens, num_heads * head_dim] or [num_tokens, num_heads,
+    head_dim]; the same shapes come back) in fp32, with ``cos_sin_cache`` [max_position,
+    rotary_dim] (cos first half, sin second). The first rotary_dim dims of each head
+    rotate, the rest pass through; pair i is dims (i, i + rotary_dim / 2) in the NeoX
+    style and (2i, 2i + 1) otherwise (GPT-J)."""
+    rotary_dim = cos_sin_cache.shape[-1]
     cos, sin = cos_sin_cache[positions].unsqueeze(1).chunk(2, dim=-1)
     n, q_size, k_size = q.shape[0], math.prod(q.shape[1:]), math.prod(k.shape[1:])
     # q and k in one pass (fewer ops): [num_tokens, num_heads + num_kv_heads, head_dim]
     qk = torch.cat([q.reshape(n, q_size), k.reshape(n, k_size)], dim=-1).view(n, -1, head_dim)
-    q_out, k_out = _rotate(qk, cos, sin).view(n, -1).split([q_size, k_size], dim=-1)
+    rotate = _rotate if is_neox_style else _rotate_interleaved
+    out = rotate(qk[..., :rotary_dim], cos, sin)
+    if rotary_dim < head_dim:
+        out = torch.cat([out, qk[..., rotary_dim:]], dim=-1)
+    q_out, k_out = out.reshape(n, -1).split([q_size, k_size], dim=-1)
     return q_out.view(q.shape), k_out.view(k.shape)
 
 
 def rotary_cpu_table(cos_sin_cache: torch.Tensor) -> torch.Tensor:
-    """[max_position, 2, 1, head_dim]: [cos, cos] and [-sin, sin] of every position, from
-    ``cos_sin_cache`` [max_position, head_dim] (cos first half, sin second)."""
+    """[max_position, 2, 1, rotary_dim]: [cos, cos] and [-sin, sin] of every position, from
+    ``cos_sin_cache`` [max_position, rotary_dim] (cos first half, sin second)."""
     cos, sin = cos_sin_cache.chunk(2, dim=-1)
     table = torch.stack([torch.cat([cos, cos], dim=-1), torch.cat([-sin, sin], dim=-1)], dim=1)
     return table.unsqueeze(2)
@@ -75,17 +92,21 @@ def rotary_cpu_table(cos_sin_cache: torch.Tensor) -> torch.Tensor:
 
 def rotary_cpu(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                table: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``rotary_torch``'s numbers in fewer calls, for the CPU: with ``table`` from
-    ``rotary_cpu_table``, both halves rotate at once as
-    x * [cos, cos] + roll(x, head_dim / 2) * [-sin, sin], in fp32."""
-    cos, sin = table.index_select(0, positions).unbind(1)  # [num_tokens, 1, head_dim] each
+    """``rotary_torch``'s numbers (NeoX style) in fewer calls, for the CPU: with ``table``
+    from ``rotary_cpu_table``, both halves of the first rotary_dim dims of each head rotate
+    at once as x * [cos, cos] + roll(x, rotary_dim / 2) * [-sin, sin], in fp32; the other
+    dims pass through."""
+    rotary_dim = table.shape[-1]
+    cos, sin = table.index_select(0, positions).unbind(1)  # [num_tokens, 1, rotary_dim] each
     n, flat = q.shape[0], q.dim() == 2 and k.dim() == 2
     q2, k2 = (q, k) if flat else (q.reshape(n, -1), k.reshape(n, -1))
     # q and k in one pass: [num_tokens, num_heads + num_kv_heads, head_dim], fp32 and fresh
     qk = torch.cat([q2, k2], dim=-1)
     x = qk.view(n, -1, head_dim).float()  # cat's own output when q is fp32 already
-    rotated = x.roll(head_dim // 2, dims=-1).mul_(sin)  # [-x2 * sin, x1 * sin]
-    out = torch.add(x.mul_(cos), rotated).to(q.dtype)
+    rot = x[..., :rotary_dim]  # a view: rotated in place, inside x
+    rolled = rot.roll(rotary_dim // 2, dims=-1).mul_(sin)  # [-x2 * sin, x1 * sin]
+    rot.mul_(cos).add_(rolled)
+    out = x.to(q.dtype)
     q_out, k_out = out.view(n, -1).split([q2.shape[1], k2.shape[1]], dim=-1)
     return (q_out, k_out) if flat else (q_out.view(q.shape), k_out.view(k.shape))
 
