@@ -37,6 +37,7 @@ _MODELS: dict[str, ModelEntry] = {
     "Exaone4ForCausalLM": ModelEntry("exaone4", "Exaone4Config", "Exaone4ForCausalLM"),
     "GraniteForCausalLM": ModelEntry("granite", "GraniteConfig", "GraniteForCausalLM"),
     "SmolLM3ForCausalLM": ModelEntry("smollm3", "SmolLM3Config", "SmolLM3ForCausalLM"),
+    "InternLM3ForCausalLM": ModelEntry("internlm3", "InternLM3Config", "LlamaForCausalLM"),
 }
 
 
