@@ -214,10 +214,22 @@ def test_fp8_on_cuda_needs_compute_capability_8_9(monkeypatch):
     configure._check_kv_dtype_on_device(F8, "cuda")
 
 def test_unknown_architecture_is_refused(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps({**CONFIG, "architectures": ["GPT2LMHeadModel"]}))
+    (tmp_path / "config.json").write_text(json.dumps({**CONFIG, "architectures": ["BloomForCausalLM"]}))
     from vllmpy import LLM
 
-    with pytest.raises(ValueError, match="GPT2LMHeadModel"):
+    with pytest.raises(ValueError, match="BloomForCausalLM"):
+        LLM(str(tmp_path), load_format="dummy", device="cpu")
+
+
+def test_architecture_is_named_before_any_field(tmp_path):
+    # a GPT-2 config has none of the Llama-style keys: its own converter reads it, and an
+    # unknown architecture with such a config is named, not "no 'num_attention_heads'"
+    (tmp_path / "config.json").write_text(json.dumps(
+        {"architectures": ["BloomForCausalLM"], "n_embd": 64, "n_layer": 2}))
+    from vllmpy import LLM
+
+    with pytest.raises(ValueError, match=r"architecture \['BloomForCausalLM'\] is not "
+                                         r"supported"):
         LLM(str(tmp_path), load_format="dummy", device="cpu")
 
 

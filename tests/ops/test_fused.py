@@ -222,6 +222,7 @@ def test_empty_batches_launch_nothing():
 @pytest.mark.parametrize("hidden", [1024, 4096])
 def test_cuda_rms_norm_layer_takes_the_kernel_at_model_sizes(dtype, hidden):
     norm = RMSNorm(hidden, 1e-6).to(DEVICE, dtype)
+    norm.bind_device(torch.device(DEVICE))
     norm.weight.copy_(randn(hidden, dtype=dtype, seed=4))
     x, res = randn(37, hidden, dtype=dtype), randn(37, hidden, dtype=dtype, seed=1)
     assert_close(norm(x), rms_norm_ref(x, norm.weight, 1e-6), dtype)
@@ -238,6 +239,7 @@ def test_cuda_rms_norm_layer_takes_the_kernel_at_model_sizes(dtype, hidden):
 @pytest.mark.parametrize("heads,kv_heads", [(16, 8), (32, 8)])
 def test_cuda_rotary_layer_takes_the_kernel_at_model_sizes(dtype, heads, kv_heads):
     rope = RotaryEmbedding(128, max_position=4096, base=1e6)
+    rope.bind_device(torch.device(DEVICE))
     positions = torch.randint(0, 4096, (37,), device=DEVICE)
     qkv = randn(37, (heads + 2 * kv_heads) * 128, dtype=dtype)
     q, k, _ = qkv.split([heads * 128, kv_heads * 128, kv_heads * 128], dim=-1)
@@ -251,7 +253,9 @@ def test_cuda_rotary_layer_takes_the_kernel_at_model_sizes(dtype, heads, kv_head
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_cuda_silu_and_mul_layer_takes_the_kernel_at_model_sizes(dtype):
     x = randn(37, 2 * 3072, dtype=dtype) * 4
-    out = SiluAndMul()(x)
+    act = SiluAndMul()
+    act.bind_device(torch.device(DEVICE))
+    out = act(x)
     ref = silu_and_mul_ref(x)
     assert_close(out, ref, dtype)
     assert (out != ref).float().mean() < 0.02

@@ -200,8 +200,12 @@ def test_layers_route_one_streamed_row_through_the_fused_kernels(monkeypatch, wi
     mlp = GatedMLP(48, 40)
     mlp.gate_up_proj.weight.data = torch.randn(80, 48, generator=g)
     mlp.down_proj.weight.data = torch.randn(48, 40, generator=g)
+    from vllmpy.ops import skinny_gemm
+
     for module in (norm, qkv, mlp):
         module.to(DEVICE)
+    for linear in (qkv, mlp.gate_up_proj, mlp.down_proj):
+        linear.on_cuda, linear._skinny = True, skinny_gemm  # as binding to CUDA does
     x = torch.randn(1, 48, generator=g).to(DEVICE)
     res = torch.randn(1, 48, generator=g).to(DEVICE) if with_residual else None
     monkeypatch.setattr(Linear, "streams_one_row", lambda self, t: False)

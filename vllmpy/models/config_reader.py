@@ -94,9 +94,8 @@ def rope_settings(reader: ConfigReader, layer_type: str | None = None
     ``rope_parameters`` (optionally keyed by layer type, as Gemma-3's is) or the older
     ``rope_theta`` / ``rope_scaling``; the scaling is checked against what the rotary
     layer implements."""
-    from vllmpy.layers import rotary
+    from vllmpy.layers.rotary import check_rope_scaling
 
-    check_rope_scaling = getattr(rotary, "check_rope_scaling", lambda *a: None)  # TEMP
     params = reader.cfg.get("rope_parameters")
     key = "rope_parameters"
     if isinstance(params, dict) and layer_type is not None and layer_type in params:

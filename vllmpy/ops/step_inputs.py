@@ -1,12 +1,18 @@
-"""A decode graph's inputs from one host copy.
+"""A step's inputs from one host copy.
 
-A decode step's per-request inputs travel as one packed int64 buffer ``[5, seqs]``: the
-token ids the host knows, positions, KV slots, for each row the row of the previous step's
-sampled ids that holds its token (-1 where the host knows it), and sequence lengths. One
-copy moves it to the device, and ``unpack_decode_inputs`` (the graph's first kernel)
-takes each token id from the host's row or, when the previous step is still in flight,
-from that step's sampled ids on the device, and writes the int32 sequence lengths the
-attention kernels read. Rows past the step's requests are padding, set by the host.
+Every step (eager, a mixed CUDA graph or a decode graph) sends its per-token and
+per-request inputs to the device as one packed int32 buffer, laid out by the step's
+(padded) token count ``T`` and request count ``S`` (``layout``):
+
+    ids[T] positions[T] slots[T] fill[T] seq_lens[S] query_start_loc[S + 1] logits_indices[S]
+
+``fill[i]`` is the row of the previous step's sampled ids (still on the device) that holds
+token i, or -1 where the host knows it. ``unpack_step_inputs`` (a graph's first kernel,
+and the first launch of an eager step) writes them into the persistent buffers the model
+reads: the token ids (taken from ``sampled`` where ``fill`` says so), positions, KV slots
+and logits rows as int64, the sequence lengths and query starts as int32. The buffer's
+offsets depend only on (T, S), so a graph captured for a shape reads the same addresses at
+every replay.
 """
 
 from __future__ import annotations
@@ -15,68 +21,102 @@ import torch
 import triton
 import triton.language as tl
 
-# rows of the packed buffer
-IDS, POSITIONS, SLOTS, FILL, SEQ_LENS = range(5)
-NUM_ROWS = 5
+# Rows a program unpacks. One block size and no specialization on the sizes keep this to
+# one compiled variant for every step shape.
+BLOCK_ROWS = 256
 
 
-# Rows a program unpacks. One block size and no specialization on the row count keep
-# this to one compiled variant for every decode graph's batch size.
-BLOCK_ROWS = 128
+def layout(tokens: int, seqs: int) -> dict[str, tuple[int, int]]:
+    """name -> (offset, length) in the packed buffer of a ``tokens`` x ``seqs`` step."""
+    t, s = tokens, seqs
+    return {"ids": (0, t), "positions": (t, t), "slots": (2 * t, t), "fill": (3 * t, t),
+            "seq_lens": (4 * t, s), "query_start_loc": (4 * t + s, s + 1),
+            "logits_indices": (4 * t + 2 * s + 1, s)}
 
 
-@triton.jit(do_not_specialize=["size"])
-def _unpack_kernel(host_ids_ptr, fill_ptr, lens_ptr, sampled_ptr, ids_ptr, seq_lens_ptr,
-                   size, BLOCK: tl.constexpr):
-    # host_ids, fill, lens: the packed buffer's rows IDS, FILL and SEQ_LENS
+def packed_size(tokens: int, seqs: int) -> int:
+    return 4 * tokens + 3 * seqs + 1
+
+
+@triton.jit(do_not_specialize=["tokens", "seqs"])
+def _unpack_kernel(packed_ptr, sampled_ptr, ids_ptr, pos_ptr, slots_ptr, seq_lens_ptr,
+                   qsl_ptr, logits_ptr, tokens, seqs, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    ok = offs < size
-    host_ids = tl.load(host_ids_ptr + offs, mask=ok, other=0)
-    fill = tl.load(fill_ptr + offs, mask=ok, other=-1)
-    dev_ids = tl.load(sampled_ptr + tl.maximum(fill, 0), mask=ok & (fill >= 0), other=0)
-    tl.store(ids_ptr + offs, tl.where(fill >= 0, dev_ids, host_ids), mask=ok)
-    lens = tl.load(lens_ptr + offs, mask=ok, other=0)
-    tl.store(seq_lens_ptr + offs, lens.to(tl.int32), mask=ok)
+    tok = offs < tokens
+    host_ids = tl.load(packed_ptr + offs, mask=tok, other=0)
+    fill = tl.load(packed_ptr + 3 * tokens + offs, mask=tok, other=-1)
+    dev_ids = tl.load(sampled_ptr + tl.maximum(fill, 0), mask=tok & (fill >= 0), other=0)
+    tl.store(ids_ptr + offs, tl.where(fill >= 0, dev_ids, host_ids.to(tl.int64)), mask=tok)
+    pos = tl.load(packed_ptr + tokens + offs, mask=tok, other=0)
+    tl.store(pos_ptr + offs, pos.to(tl.int64), mask=tok)
+    slots = tl.load(packed_ptr + 2 * tokens + offs, mask=tok, other=-1)
+    tl.store(slots_ptr + offs, slots.to(tl.int64), mask=tok)
+    seq = offs < seqs
+    base = 4 * tokens
+    tl.store(seq_lens_ptr + offs, tl.load(packed_ptr + base + offs, mask=seq, other=0),
+             mask=seq)
+    starts = offs < seqs + 1
+    tl.store(qsl_ptr + offs, tl.load(packed_ptr + base + seqs + offs, mask=starts, other=0),
+             mask=starts)
+    rows = tl.load(packed_ptr + base + 2 * seqs + 1 + offs, mask=seq, other=0)
+    tl.store(logits_ptr + offs, rows.to(tl.int64), mask=seq)
 
 
-def _check(packed: torch.Tensor, sampled: torch.Tensor, ids: torch.Tensor,
-           seq_lens: torch.Tensor, size: int) -> None:
-    if packed.dim() != 2 or packed.shape[0] != NUM_ROWS or packed.dtype != torch.int64 \
-            or packed.stride(1) != 1:
-        raise ValueError(f"packed must be int64 [{NUM_ROWS}, seqs] contiguous in its last "
-                         f"dimension, got {packed.dtype} {tuple(packed.shape)}")
-    if not 0 <= size <= packed.shape[1]:
-        raise ValueError(f"size {size} is outside the packed buffer's {packed.shape[1]} rows")
-    for name, t, dtype in (("sampled", sampled, torch.int64), ("ids", ids, torch.int64),
-                           ("seq_lens", seq_lens, torch.int32)):
-        if t.dim() != 1 or t.dtype != dtype or t.stride(0) != 1:
-            raise ValueError(f"{name} must be a contiguous 1-D {dtype}, got {t.dtype} "
-                             f"{tuple(t.shape)}")
-        if t.device != packed.device:
-            raise ValueError(f"{name} is on {t.device}, packed on {packed.device}")
-    if ids.shape[0] < size or seq_lens.shape[0] < size:
-        raise ValueError(f"ids and seq_lens need {size} rows, got {ids.shape[0]} and "
-                         f"{seq_lens.shape[0]}")
+class StepTensors:
+    """The persistent buffers ``unpack_step_inputs`` writes (sized for the largest step)."""
+
+    def __init__(self, max_tokens: int, max_seqs: int, device: torch.device) -> None:
+        def buf(n: int, dtype: torch.dtype, fill: int = 0) -> torch.Tensor:
+            return torch.full((n,), fill, dtype=dtype, device=device)
+
+        self.input_ids = buf(max_tokens, torch.int64)
+        self.positions = buf(max_tokens, torch.int64)
+        self.slot_mapping = buf(max_tokens, torch.int64, -1)
+        self.seq_lens = buf(max_seqs, torch.int32)
+        self.query_start_loc = buf(max_seqs + 1, torch.int32)
+        self.logits_indices = buf(max_seqs, torch.int64)
+        self.max_tokens, self.max_seqs = max_tokens, max_seqs
 
 
-def unpack_decode_inputs(packed: torch.Tensor, sampled: torch.Tensor, ids: torch.Tensor,
-                         seq_lens: torch.Tensor, size: int) -> None:
-    """For the first ``size`` rows: ``ids[i]`` = ``sampled[packed[FILL, i]]`` where that
-    row is set (>= 0), else ``packed[IDS, i]``; ``seq_lens[i]`` = ``packed[SEQ_LENS, i]``
-    as int32. A fill row must index into ``sampled`` (the caller's contract: the row of
-    the previous step's ids that holds the token)."""
-    _check(packed, sampled, ids, seq_lens, size)
-    if size == 0:
-        return
-    _unpack_kernel[(triton.cdiv(size, BLOCK_ROWS),)](
-        packed[IDS], packed[FILL], packed[SEQ_LENS], sampled, ids, seq_lens, size,
-        BLOCK=BLOCK_ROWS)
+def _check(packed: torch.Tensor, sampled: torch.Tensor, out: StepTensors, tokens: int,
+           seqs: int) -> None:
+    if packed.dim() != 1 or packed.dtype != torch.int32 or packed.stride(0) != 1:
+        raise ValueError(f"packed must be a contiguous 1-D int32, got {packed.dtype} "
+                         f"{tuple(packed.shape)}")
+    if packed.shape[0] < packed_size(tokens, seqs):
+        raise ValueError(f"packed holds {packed.shape[0]} values, a step of {tokens} tokens "
+                         f"and {seqs} requests needs {packed_size(tokens, seqs)}")
+    if not (0 <= tokens <= out.max_tokens and 0 <= seqs <= out.max_seqs):
+        raise ValueError(f"a step of {tokens} tokens and {seqs} requests does not fit buffers "
+                         f"of {out.max_tokens} tokens and {out.max_seqs} requests")
+    if sampled.dim() != 1 or sampled.dtype != torch.int64 or sampled.device != packed.device:
+        raise ValueError(f"sampled must be a 1-D int64 on {packed.device}, got "
+                         f"{sampled.dtype} {tuple(sampled.shape)} on {sampled.device}")
 
 
-def unpack_decode_inputs_ref(packed: torch.Tensor, sampled: torch.Tensor, ids: torch.Tensor,
-                             seq_lens: torch.Tensor, size: int) -> None:
-    """PyTorch reference for ``unpack_decode_inputs``."""
-    fill = packed[FILL, :size]
-    from_device = sampled[fill.clamp(min=0)]
-    ids[:size] = torch.where(fill >= 0, from_device, packed[IDS, :size])
-    seq_lens[:size] = packed[SEQ_LENS, :size].to(torch.int32)
+def unpack_step_inputs(packed: torch.Tensor, sampled: torch.Tensor, out: StepTensors,
+                       tokens: int, seqs: int) -> None:
+    """Unpack a ``tokens`` x ``seqs`` step (``layout``) from ``packed`` into ``out``. A fill
+    row must index into ``sampled`` (the row of the previous step's ids holding the token)."""
+    _check(packed, sampled, out, tokens, seqs)
+    grid = (triton.cdiv(max(tokens, seqs + 1), BLOCK_ROWS),)
+    _unpack_kernel[grid](packed, sampled, out.input_ids, out.positions, out.slot_mapping,
+                         out.seq_lens, out.query_start_loc, out.logits_indices, tokens, seqs,
+                         BLOCK=BLOCK_ROWS)
+
+
+def unpack_step_inputs_ref(packed: torch.Tensor, sampled: torch.Tensor, out: StepTensors,
+                           tokens: int, seqs: int) -> None:
+    """PyTorch version of ``unpack_step_inputs`` (the CPU's, and the kernel's reference)."""
+    _check(packed, sampled, out, tokens, seqs)
+    part = {name: packed[o:o + n] for name, (o, n) in layout(tokens, seqs).items()}
+    fill = part["fill"]
+    ids = part["ids"].long()
+    if bool((fill >= 0).any()):
+        ids = torch.where(fill >= 0, sampled[fill.clamp(min=0).long()], ids)
+    out.input_ids[:tokens] = ids
+    out.positions[:tokens] = part["positions"]
+    out.slot_mapping[:tokens] = part["slots"]
+    out.seq_lens[:seqs] = part["seq_lens"]
+    out.query_start_loc[:seqs + 1] = part["query_start_loc"]
+    out.logits_indices[:seqs] = part["logits_indices"]

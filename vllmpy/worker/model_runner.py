@@ -8,7 +8,6 @@ import numpy as np
 import torch
 from torch import nn
 
-from vllmpy.attention.metadata import AttentionMetadata
 from vllmpy.config import EngineConfig, log
 from vllmpy.core.sched_output import (
     LogprobsLists,
@@ -39,6 +38,7 @@ from vllmpy.structured_output.bitmask import apply_step_grammar_bitmask
 from vllmpy.worker.cuda_graphs import StepGraphs
 from vllmpy.worker.input_batch import InputBatch, StepInputs
 from vllmpy.worker.startup import StartupMixin
+from vllmpy.worker.step_buffers import StepBuffers
 
 
 @dataclass
@@ -81,9 +81,15 @@ class ModelRunner(StartupMixin):
         # CUDA graphs of decode steps and of small mixed steps, once captured (CUDA
         # without enforce_eager)
         self.graphs: StepGraphs | None = None
-        self.input_batch = InputBatch(config.scheduler.max_num_seqs,
-                                      config.model.max_model_len, self.block_size)
-        self._pinned: dict[str, torch.Tensor] = {}  # staging buffers for host -> device
+        sched = config.scheduler
+        self.input_batch = InputBatch(sched.max_num_seqs, config.model.max_model_len,
+                                      self.block_size)
+        # every step's inputs go through these (one pinned copy per step)
+        self.buffers = StepBuffers(self.device,
+                                   max(sched.max_num_batched_tokens, sched.max_num_seqs),
+                                   sched.max_num_seqs, self.input_batch.max_blocks,
+                                   self.block_size)
+        self._pinned: dict[str, torch.Tensor] = {}  # the sampled ids' host copies
         self._staged: torch.cuda.Event | None = None  # when the last copies were queued
         # The last launched step's sampled ids on the device, with each request's index
         # into them, until the host has read them; whether the next step may run ahead.
@@ -163,9 +169,9 @@ class ModelRunner(StartupMixin):
         before = torch.cuda.memory_reserved(self.device)
         sched = self.config.scheduler
         with self._load_stats.phase("cuda_graphs"):
-            graphs = StepGraphs(self.model, self.device,  # type: ignore[arg-type]
+            graphs = StepGraphs(self.model, self.buffers,  # type: ignore[arg-type]
                                 sched.max_num_seqs, self.config.model.max_model_len,
-                                self.block_size, sched.max_num_batched_tokens)
+                                sched.max_num_batched_tokens)
             graphs.capture()
         self.graphs = graphs
         grown = torch.cuda.memory_reserved(self.device) - before
@@ -213,38 +219,6 @@ class ModelRunner(StartupMixin):
             num_computed_tokens=new.num_computed_tokens,
             eos_token_ids=self.eos_token_ids,
         )
-
-    def _stage(self, name: str, array: np.ndarray) -> torch.Tensor:
-        """``array`` as a host tensor the device can copy from without blocking: a view of
-        a pinned buffer on CUDA, the array itself on the CPU."""
-        if self.device.type != "cuda":
-            return torch.from_numpy(np.ascontiguousarray(array))
-        flat = array.reshape(-1)
-        buf = self._pinned.get(name)
-        if buf is None or buf.numel() < flat.size:
-            buf = torch.empty(max(flat.size, 1024), dtype=_TORCH_DTYPES[array.dtype.type],
-                              pin_memory=True)
-            self._pinned[name] = buf
-        view = buf[:flat.size]
-        view.numpy()[:] = flat
-        return view.view(array.shape)
-
-    def _device_inputs(self, step: StepInputs, host: dict[str, torch.Tensor]):
-        dev = self.device
-        d = {name: t.to(dev, non_blocking=True) for name, t in host.items()}
-        meta = AttentionMetadata(
-            num_actual_tokens=step.num_tokens,
-            query_start_loc=d["query_start_loc"],
-            query_start_loc_cpu=step.query_start_loc.tolist(),
-            seq_lens=d["seq_lens"],
-            seq_lens_cpu=step.seq_lens.tolist(),
-            slot_mapping=d["slot_mapping"],
-            block_tables=d["block_tables"],
-            block_size=self.block_size,
-            max_query_len=step.max_query_len,
-            max_seq_len=step.max_seq_len,
-        )
-        return d["input_ids"], d["positions"], meta, d["logits_indices"]
 
     def _generator(self, state: CachedRequestState) -> torch.Generator | None:
         """A seeded request draws from a generator keyed on (seed, output position), so its
@@ -317,44 +291,42 @@ class ModelRunner(StartupMixin):
             # The pinned buffers are about to be rewritten: the previous step's copies
             # out of them must have run.
             self._staged.synchronize()
-        graphs = self.graphs
-        n = len(req_ids)
+        graphs, bufs = self.graphs, self.buffers
+        n, num_tokens = len(req_ids), step.num_tokens
+        fill = self._fill_rows(req_ids, step)
         # Recorded once this step's copies out of the pinned buffers are queued: the next
         # step waits on it (not on this step's forward) before rewriting them.
         copied = torch.cuda.Event() if self.device.type == "cuda" else None
         graph_logits = None
-        logits_idx: torch.Tensor | None = None
+        sampled_rows = len(step.sample_rows)
         if graphs is not None and step.max_query_len == 1 and n <= graphs.max_size:
-            # A pure decode step: its inputs go over in two copies, and a token sampled
-            # by the step still in flight is taken on the device, inside the graph.
-            hidden, graph_logits = graphs.run(
-                n, step.input_ids, step.positions, step.slot_mapping, step.seq_lens,
-                step.block_tables, self._fill_rows(req_ids, step), copied)
-            if len(step.sample_rows) < n:  # a one-token prefill chunk samples nothing
-                logits_idx = torch.as_tensor(step.sample_rows, device=self.device)
-                graph_logits = graph_logits[logits_idx]
+            # a pure decode step: the decode graph of its size (token i is request i)
+            size = graphs.decode_size(n)
+            bufs.stage(step, size, size, fill, decode=True)
+            if copied is not None:
+                copied.record()
+            hidden, graph_logits = graphs.run(n)
+            if sampled_rows < n:  # a one-token prefill chunk samples nothing
+                graph_logits = graph_logits[bufs.tensors.logits_indices[:sampled_rows]]
+        elif graphs is not None and num_tokens <= graphs.max_mixed_tokens:
+            # a small step with prefill tokens: the forward replays a mixed graph
+            tokens = graphs.mixed_size(num_tokens)
+            bufs.stage(step, tokens, graphs.mixed_seqs(tokens), fill)
+            if copied is not None:
+                copied.record()
+            hidden = graphs.run_mixed(num_tokens)
         else:
-            host = {name: self._stage(name, getattr(step, name))
-                    for name in ("input_ids", "positions", "slot_mapping", "query_start_loc",
-                                 "seq_lens", "block_tables", "logits_indices")}
-            fill = self._device_tokens(req_ids, step)
-            if graphs is not None and step.num_tokens <= graphs.max_mixed_tokens:
-                # A small step with prefill tokens: the forward replays a mixed graph.
-                if len(step.sample_rows) < step.num_tokens:
-                    logits_idx = host["logits_indices"].to(self.device, non_blocking=True)
-                hidden = graphs.run_mixed(
-                    step.num_tokens, host["input_ids"], host["positions"],
-                    host["slot_mapping"], host["query_start_loc"], host["seq_lens"],
-                    host["block_tables"], fill, copied)
-            else:
-                ids, pos, meta, logits_idx = self._device_inputs(step, host)
-                if fill is not None:
-                    ids.index_copy_(0, fill[0], fill[1])
-                if copied is not None:
-                    copied.record()
-                hidden = self.model(ids, pos, meta)  # [num_tokens, hidden_size]
-                if len(step.sample_rows) == step.num_tokens:
-                    logits_idx = None
+            bufs.stage(step, num_tokens, n, fill)
+            if copied is not None:
+                copied.record()
+            bufs.unpack(num_tokens, n)
+            meta = bufs.metadata(num_tokens, n, step.query_start_loc.tolist(),
+                                 step.seq_lens.tolist(), step.max_query_len,
+                                 step.max_seq_len)
+            t = bufs.tensors
+            hidden = self.model(t.input_ids[:num_tokens], t.positions[:num_tokens], meta)
+        logits_idx = (bufs.tensors.logits_indices[:sampled_rows]
+                      if graph_logits is None and sampled_rows < num_tokens else None)
         self._staged = copied
         prompt_logprobs = self._prompt_logprobs(req_ids, out, step, hidden)
         if not step.sample_rows:
@@ -371,17 +343,16 @@ class ModelRunner(StartupMixin):
         states = [self.requests[req_ids[i]] for i in step.sample_rows]
         metadata = self._sampling_metadata(
             tuple(req_ids[i] for i in step.sample_rows), states)
-        if (graph_logits is not None and logits_idx is None and out.grammar_bitmask is None
+        if (graph_logits is not None and sampled_rows == n and out.grammar_bitmask is None
                 and plain_argmax(metadata)):
             # the decode graph's own argmax of these logits is the sampler's answer
             assert graphs is not None
             sampled_t, processed = graphs.sampled[:n], logits
         else:
-            # on CUDA the ids land in the graphs' buffer, where the next decode graph reads
+            # the ids land in the buffers' ``sampled``, where the next step's unpack reads
             # the tokens it needs before the host has them
-            sampled_t, processed = self.sampler.sample(
-                logits, metadata,
-                out=graphs.sampled[:len(states)] if graphs is not None else None)
+            sampled_t, processed = self.sampler.sample(logits, metadata,
+                                                       out=bufs.sampled[:len(states)])
         lp = sampled_logprobs([s.sampling_params for s in states], logits, processed,
                               sampled_t)
         # The next step may read these ids before the host does (async scheduling).
@@ -408,24 +379,13 @@ class ModelRunner(StartupMixin):
         sampled_t, index = self._last_sampled
         return sampled_t, [index[req_ids[i]] for i in step.unknown_reqs]
 
-    def _device_tokens(self, req_ids: list[str], step: StepInputs
-                       ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(input rows, token ids on the device) for the positions whose token the host
-        does not know yet: each was sampled by the last launched step."""
-        if not step.unknown_rows:
-            return None
-        sampled_t, src = self._sampled_sources(req_ids, step)
-        dst = self._stage("fill_dst", np.asarray(step.unknown_rows, dtype=np.int64))
-        src_t = self._stage("fill_src", np.asarray(src, dtype=np.int64))
-        return (dst.to(self.device, non_blocking=True),
-                sampled_t[src_t.to(self.device, non_blocking=True)])
-
     def _fill_rows(self, req_ids: list[str], step: StepInputs) -> np.ndarray | None:
-        """For a decode graph: per request, the row of the last launched step's sampled
-        ids that holds its token, -1 where the host knows it; None when it knows all."""
+        """Per token of the step, the row of the last launched step's sampled ids (in the
+        buffers' ``sampled``) that holds it, -1 where the host knows it; None when it
+        knows all."""
         if not step.unknown_rows:
             return None
-        rows = np.full(len(req_ids), -1, dtype=np.int64)
+        rows = np.full(step.num_tokens, -1, dtype=np.int64)
         rows[step.unknown_rows] = self._sampled_sources(req_ids, step)[1]
         return rows
 
@@ -434,7 +394,7 @@ class ModelRunner(StartupMixin):
         """Start the copy of a step's sampled ids to the host; on CUDA into one of two
         pinned buffers (two steps may be in flight) with an event marking its end."""
         if self.device.type != "cuda":
-            return sampled, None
+            return sampled.clone(), None  # the next step samples into the same buffer
         self._host_flip ^= 1
         key = f"sampled{self._host_flip}"
         buf = self._pinned.get(key)

@@ -112,9 +112,9 @@ class StartupMixin:
                         mixed = mixed_capture_sizes(tokens)
                         if mixed:
                             self._profile_forward(self._fresh_seq_lens(mixed[-1]), 1)
-                        StepGraphs(self.model, self.device,  # type: ignore[arg-type]
+                        StepGraphs(self.model, self.buffers,  # type: ignore[arg-type]
                                    sched.max_num_seqs, self.config.model.max_model_len,
-                                   self.block_size, sched.max_num_batched_tokens).warm_up()
+                                   sched.max_num_batched_tokens).warm_up()
                 for layer in self._attention_layers():
                     layer.kv_cache = None
                 report = compiler.compile(variants)
