@@ -1,0 +1,101 @@
+"""Every architecture in bf16 on a CUDA device, through the CUDA graphs, against
+transformers in bf16 on the same device and the same tiny random weights.
+
+The tie rule is test_bf16_agreement's: a continuation agrees when it is identical, or when
+at its first difference transformers' own top-2 margin is within a few bf16 units of its
+largest logit. The architecture's features are switched on where the family has them
+(sliding windows shorter than the requests, soft caps, partial rotary, ...)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from models.test_bf16_agreement import TIE_ULPS, hf_trace
+
+from vllmpy import LLM, SamplingParams
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+BASE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+            num_key_value_heads=2, vocab_size=384, max_position_embeddings=512)
+WINDOWED = ["sliding_attention", "full_attention", "sliding_attention"]
+
+# architecture -> (transformers config class, its arguments)
+FAMILIES: dict[str, tuple[str, dict]] = {
+    "Gemma2ForCausalLM": ("Gemma2Config", dict(
+        BASE, head_dim=32, sliding_window=12, query_pre_attn_scalar=24,
+        attn_logit_softcapping=20.0, final_logit_softcapping=15.0, layer_types=WINDOWED)),
+    "Gemma3ForCausalLM": ("Gemma3TextConfig", dict(
+        BASE, head_dim=32, sliding_window=12, query_pre_attn_scalar=24, layer_types=WINDOWED)),
+    "Phi3ForCausalLM": ("Phi3Config", dict(BASE, partial_rotary_factor=0.75)),
+    "Olmo2ForCausalLM": ("Olmo2Config", dict(BASE)),
+    "Olmo3ForCausalLM": ("Olmo3Config", dict(BASE, sliding_window=12, layer_types=WINDOWED)),
+    "GraniteForCausalLM": ("GraniteConfig", dict(
+        BASE, embedding_multiplier=2.0, residual_multiplier=0.5, attention_multiplier=0.2,
+        logits_scaling=2.0)),
+    "SmolLM3ForCausalLM": ("SmolLM3Config", dict(BASE, no_rope_layer_interval=2)),
+    "Exaone4ForCausalLM": ("Exaone4Config", dict(BASE, sliding_window=12,
+                                                 layer_types=WINDOWED)),
+    "MistralForCausalLM": ("MistralConfig", dict(BASE, sliding_window=12)),
+    "GPT2LMHeadModel": ("GPT2Config", dict(n_embd=64, n_layer=3, n_head=4, vocab_size=384,
+                                           n_positions=512)),
+    "OPTForCausalLM": ("OPTConfig", dict(hidden_size=64, ffn_dim=128, num_hidden_layers=3,
+                                         num_attention_heads=4, vocab_size=384,
+                                         max_position_embeddings=512,
+                                         word_embed_proj_dim=64)),
+    "GPTNeoXForCausalLM": ("GPTNeoXConfig", dict(BASE, rotary_pct=0.5)),
+    "StableLmForCausalLM": ("StableLmConfig", dict(BASE, partial_rotary_factor=0.5,
+                                                   qk_layernorm=True)),
+    "Starcoder2ForCausalLM": ("Starcoder2Config", dict(BASE, sliding_window=12)),
+    "CohereForCausalLM": ("CohereConfig", dict(BASE, logit_scale=0.5)),
+    "Cohere2ForCausalLM": ("Cohere2Config", dict(BASE, sliding_window=12,
+                                                 layer_types=WINDOWED)),
+}
+
+
+def _build(arch: str, path) -> torch.nn.Module:
+    import transformers as tf
+
+    cls, kwargs = FAMILIES[arch]
+    kwargs = dict(kwargs, pad_token_id=0, bos_token_id=1, eos_token_id=2)  # in the vocab
+    torch.manual_seed(0)
+    model = getattr(tf, arch)(getattr(tf, cls)(**kwargs))
+    with torch.no_grad():  # decisive logits: long greedy paths
+        for name, p in model.named_parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.15)
+            elif name.endswith("bias"):
+                p.normal_(0, 0.1)
+    model = model.float().eval()
+    model.save_pretrained(path, safe_serialization=True)
+    return model
+
+
+@pytest.mark.parametrize("arch", sorted(FAMILIES))
+def test_bf16_with_cuda_graphs_agrees_with_transformers(arch, tmp_path):
+    hf = _build(arch, tmp_path).to(device="cuda", dtype=torch.bfloat16)
+    llm = LLM(str(tmp_path), skip_tokenizer_init=True, device="cuda", dtype="bfloat16",
+              block_size=16, num_blocks=256)
+    assert llm.engine.engine_core.model_runner.graphs is not None  # the graphs ran
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, 384, (int(n),), generator=g).tolist()
+               for n in torch.randint(3, 40, (24,), generator=g)]
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=32,
+                                                ignore_eos=True), use_tqdm=False)
+    identical = agree = 0
+    disagreements = []
+    for prompt, out in zip(prompts, outs):
+        ours = list(out.outputs[0].token_ids)
+        ref, margins = hf_trace(hf, prompt, 32)
+        if ours == ref:
+            identical += 1
+            agree += 1
+            continue
+        i = next(j for j, (a, b) in enumerate(zip(ours, ref)) if a != b)
+        if margins[i] <= TIE_ULPS:
+            agree += 1
+        else:
+            disagreements.append((i, ours[i], ref[i], round(margins[i], 1)))
+    print(f"{arch} cuda bf16 graphs: {identical}/{len(prompts)} identical, "
+          f"{agree}/{len(prompts)} agree")
+    assert agree >= 0.9 * len(prompts), (arch, identical, disagreements)
