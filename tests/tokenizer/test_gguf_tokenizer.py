@@ -147,11 +147,16 @@ def test_unsupported_pre_is_refused(tmp_path):
 
 
 def test_unsupported_model_is_refused(tmp_path):
-    path = _tiny_gguf(tmp_path, "llama", None)
-    with pytest.raises(ValueError, match="tokenizer.ggml.model='llama'.*'gpt2'"):
+    path = _tiny_gguf(tmp_path, "t5", None)
+    with pytest.raises(ValueError, match="tokenizer.ggml.model='t5'.*'gpt2', 'llama'"):
         load_gguf_tokenizer(path)
     with pytest.raises(ValueError, match="tokenizer.ggml.model=None"):
         tokenizer_from_metadata({})
+
+
+def test_spm_without_scores_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="tokenizer.ggml.scores is missing"):
+        load_gguf_tokenizer(_tiny_gguf(tmp_path, "llama", None))
 
 
 def test_missing_file_is_refused(tmp_path):

@@ -1,8 +1,15 @@
-"""A byte-level BPE tokenizer rebuilt from a GGUF file's `tokenizer.*` metadata.
+"""The tokenizer of a GGUF file, rebuilt from its `tokenizer.*` metadata.
 
-A GGUF carries no tokenizer.json: it stores the vocabulary (`tokenizer.ggml.tokens`), the merges,
-each token's type, the special token ids and the name of the text-splitting rule
-(`tokenizer.ggml.pre`). We rebuild the tokenizer Hugging Face transformers builds from the same
+A GGUF carries no tokenizer.json: it stores the vocabulary (`tokenizer.ggml.tokens`), each
+token's type, the special token ids and the kind of tokenizer (`tokenizer.ggml.model`). Two kinds
+are built, any other is refused by name:
+
+- "llama", SentencePiece (Gemma, Phi-3, Llama 2): scores instead of merges, byte-fallback tokens,
+  "▁" for a space. Built to give llama.cpp's ids; gguf_spm.py says how and where it differs.
+- "gpt2", byte-level BPE, with merges and the name of the text-splitting rule
+  (`tokenizer.ggml.pre`); the rest of this docstring is about it.
+
+For "gpt2" we rebuild the tokenizer Hugging Face transformers builds from the same
 file (`AutoTokenizer.from_pretrained(dir, gguf_file=...)`), except that the split rules of the
 names transformers does not know, or splits otherwise than llama.cpp, are llama.cpp's (gguf_pre.py
 lists every rule, says where transformers differs, and names the oracle each is checked against):
@@ -47,6 +54,7 @@ from tokenizers.models import BPE
 
 from vllmpy.loader.gguf_file import GGUFFile, open_gguf_file
 from vllmpy.tokenizer.gguf_pre import SPLIT_RULES
+from vllmpy.tokenizer.gguf_spm import spm_backend, token_attrs, token_texts
 from vllmpy.tokenizer.tokenizer import Tokenizer, bos_eos_post_processor, byte_level_alphabet
 
 # llama.cpp's token types (gguf.TokenType).
@@ -54,15 +62,20 @@ _CONTROL = 3
 _USER_DEFINED = 4
 
 SUPPORTED_PRE = tuple(SPLIT_RULES)
-SUPPORTED_MODELS = ("gpt2",)
+SUPPORTED_MODELS = ("gpt2", "llama")
 
 
 def read_tokenizer_metadata(reader: GGUFReader | GGUFFile) -> dict[str, Any]:
-    """Every `tokenizer.*` field of the file, decoded to Python values."""
+    """Every `tokenizer.*` field of the file, and `general.name` (llama.cpp gives Phi-3's
+    special tokens a strip rule by it), decoded to Python values."""
     if isinstance(reader, GGUFFile):
-        return {k: v for k, v in reader.metadata.items() if k.startswith("tokenizer.")}
+        return {k: v for k, v in reader.metadata.items() if _is_tokenizer_key(k)}
     return {name: field.contents() for name, field in reader.fields.items()
-            if name.startswith("tokenizer.")}
+            if _is_tokenizer_key(name)}
+
+
+def _is_tokenizer_key(key: str) -> bool:
+    return key.startswith("tokenizer.") or key == "general.name"
 
 
 def load_gguf_tokenizer(path_or_reader: str | Path | GGUFReader | GGUFFile) -> Tokenizer:
@@ -83,19 +96,46 @@ def tokenizer_from_metadata(meta: dict[str, Any], where: str = "GGUF file") -> T
     if model not in SUPPORTED_MODELS:
         raise ValueError(f"{where}: tokenizer.ggml.model={model!r} is not supported; supported "
                          f"tokenizer models: {list(SUPPORTED_MODELS)}")
+    tokens: list[str] = _required(meta, "tokenizer.ggml.tokens", where)
+    token_types = meta.get("tokenizer.ggml.token_type")
+    if token_types is not None and len(token_types) != len(tokens):
+        raise ValueError(f"{where}: tokenizer.ggml.token_type has {len(token_types)} entries "
+                         f"for {len(tokens)} tokens")
+    if model == "llama":
+        # llama.cpp's defaults for a SentencePiece vocabulary: BOS 1, EOS 2, unknown 0, and
+        # BOS added.
+        texts = token_texts(tokens)
+        bos_id = _token_id(meta, "bos", len(tokens), where, default=1)
+        eos_id = _token_id(meta, "eos", len(tokens), where, default=2)
+        unk_id = _token_id(meta, "unknown", len(tokens), where, default=0)
+        backend = spm_backend(meta, texts, token_attrs(meta, texts), unk_id, where)
+        add_bos_default = True
+    else:
+        texts = tokens
+        bos_id = _token_id(meta, "bos", len(tokens), where)
+        eos_id = _token_id(meta, "eos", len(tokens), where)
+        backend = _byte_level_backend(meta, tokens, token_types or [1] * len(tokens), where)
+        add_bos_default = False
+    backend.post_processor = bos_eos_post_processor(
+        None if bos_id is None else (texts[bos_id], bos_id),
+        None if eos_id is None else (texts[eos_id], eos_id),
+        add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", add_bos_default)),
+        add_eos=bool(meta.get("tokenizer.ggml.add_eos_token", False)),
+    )
+    return Tokenizer(backend, bos_token_id=bos_id, eos_token_id=eos_id,
+                     chat_template=meta.get("tokenizer.chat_template"))
+
+
+def _byte_level_backend(meta: dict[str, Any], tokens: list[str], token_types: list[int],
+                        where: str) -> BackendTokenizer:
+    """The byte-level BPE pipeline (no post-processor) for a `gpt2` vocabulary."""
     pre = meta.get("tokenizer.ggml.pre", "default")
     if pre not in SPLIT_RULES:
         raise ValueError(f"{where}: tokenizer.ggml.pre={pre!r} is not supported; supported "
                          f"pre-tokenizers: {list(SUPPORTED_PRE)}")
-    tokens: list[str] = _required(meta, "tokenizer.ggml.tokens", where)
     merges: list[str] = _required(meta, "tokenizer.ggml.merges", where)
-    token_types: list[int] = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
-    if len(token_types) != len(tokens):
-        raise ValueError(f"{where}: tokenizer.ggml.token_type has {len(token_types)} entries "
-                         f"for {len(tokens)} tokens")
-
-    special_ids = {meta.get(f"tokenizer.ggml.{k}_token_id")
-                   for k in ("bos", "eos", "unknown", "padding")} - {None}
+    special_ids = {int(v) for k in ("bos", "eos", "unknown", "padding")
+                   if (v := meta.get(f"tokenizer.ggml.{k}_token_id")) is not None}
     added_ids = special_ids | {i for i, kind in enumerate(token_types)
                                if kind in (_CONTROL, _USER_DEFINED)}
     pairs = []
@@ -115,17 +155,7 @@ def tokenizer_from_metadata(meta: dict[str, Any], where: str = "GGUF file") -> T
     backend.add_tokens([AddedToken(tok, normalized=False, special=False)
                         for i, (tok, kind) in enumerate(zip(tokens, token_types))
                         if kind == _USER_DEFINED and i not in special_ids])
-
-    bos_id = _token_id(meta, "bos", len(tokens), where)
-    eos_id = _token_id(meta, "eos", len(tokens), where)
-    backend.post_processor = bos_eos_post_processor(
-        None if bos_id is None else (tokens[bos_id], bos_id),
-        None if eos_id is None else (tokens[eos_id], eos_id),
-        add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", False)),
-        add_eos=bool(meta.get("tokenizer.ggml.add_eos_token", False)),
-    )
-    return Tokenizer(backend, bos_token_id=bos_id, eos_token_id=eos_id,
-                     chat_template=meta.get("tokenizer.chat_template"))
+    return backend
 
 
 def _vocabulary(tokens: list[str], added_ids: set[int]) -> dict[str, int]:
@@ -150,15 +180,17 @@ def _vocabulary(tokens: list[str], added_ids: set[int]) -> dict[str, int]:
 def _required(meta: dict[str, Any], key: str, where: str) -> Any:
     value = meta.get(key)
     if not value:
-        raise ValueError(f"{where}: metadata {key} is missing or empty; cannot build a "
-                         f"byte-level BPE tokenizer without it")
+        raise ValueError(f"{where}: metadata {key} is missing or empty; cannot build the "
+                         f"tokenizer without it")
     return value
 
 
-def _token_id(meta: dict[str, Any], name: str, n_tokens: int, where: str) -> int | None:
+def _token_id(meta: dict[str, Any], name: str, n_tokens: int, where: str,
+              default: int | None = None) -> int | None:
+    """The id the file names for `name`, else `default` when it is inside the vocabulary."""
     value = meta.get(f"tokenizer.ggml.{name}_token_id")
     if value is None:
-        return None
+        return default if default is not None and default < n_tokens else None
     if not 0 <= int(value) < n_tokens:
         raise ValueError(f"{where}: tokenizer.ggml.{name}_token_id={value} is outside the "
                          f"vocabulary of {n_tokens} tokens")
