@@ -54,8 +54,8 @@ class Olmo3Config(Olmo2Config):
         layers = r.need("num_hidden_layers")
         kinds = layer_types(r, layers, ["sliding_attention" if (i + 1) % 4 else "full_attention"
                                         for i in range(layers)])
-        window = r.get("sliding_window", 4096, int) if "sliding_window" not in cfg \
-            else r.get("sliding_window", None, int)
+        # transformers' default window (4096) when the key is absent; null: none
+        window = r.get("sliding_window", None, int) if "sliding_window" in cfg else 4096
         if window is None and "sliding_attention" in kinds:
             raise ConfigError(f"{architecture} config 'sliding_window' is null but "
                               "'layer_types' has sliding_attention layers; give a window")
