@@ -95,6 +95,7 @@ def test_config_reading_and_refusals():
     assert cfg.layer_rotary == (True, True, True, False)
     assert cfg.rope_theta == 2000000.0  # transformers' default for the family
     assert cfg.layer_windows == (None,) * 4
+    assert cfg.tie_word_embeddings  # transformers' default for the family
     with pytest.raises(ConfigError, match="no_rope_layers"):
         SmolLM3Config.from_hf({**base, "no_rope_layers": [1, 2, 1, 0]}, "SmolLM3ForCausalLM")
     with pytest.raises(ConfigError, match="use_sliding_window"):

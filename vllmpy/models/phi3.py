@@ -84,6 +84,8 @@ class Phi3Config(TextModelConfig):
             raise ConfigError(f"{architecture} config: rope type {kind!r} is not supported "
                               "(Phi-3 rotates with the default rope or LongRoPE)")
         fields = decoder_fields(r, architecture)
+        if not r.has("max_position_embeddings"):
+            fields["max_position_embeddings"] = 4096  # transformers' Phi3Config default
         # transformers 5 keeps the factor in rope_parameters, older configs at the top
         params = cfg.get("rope_parameters")
         factor = float(params["partial_rotary_factor"]) if isinstance(params, dict) and \

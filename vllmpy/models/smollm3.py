@@ -90,8 +90,11 @@ class SmolLM3Config(TextModelConfig):
         if cfg.get("rope_theta") is None and not (isinstance(params, dict)
                                                   and "rope_theta" in params):
             theta = DEFAULT_THETA
-        return cls(**decoder_fields(r, architecture, windows_of(kinds, window)),
-                   intermediate_size=r.need("intermediate_size"),
+        fields = decoder_fields(r, architecture, windows_of(kinds, window))
+        # transformers' SmolLM3Config defaults where they differ from Llama's
+        fields["tie_word_embeddings"] = r.get("tie_word_embeddings", True, bool)
+        fields["max_position_embeddings"] = r.get("max_position_embeddings", 32768, int)
+        return cls(**fields, intermediate_size=r.need("intermediate_size"),
                    rms_norm_eps=r.get("rms_norm_eps", 1e-6, float), hidden_act=act,
                    rope_theta=theta, rope_scaling=scaling,
                    attention_bias=r.get("attention_bias", False, bool),
