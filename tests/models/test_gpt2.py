@@ -101,9 +101,13 @@ def test_cross_attention_is_refused():
                             "add_cross_attention": True}, "GPT2LMHeadModel")
 
 
-def _write_gguf(hf_model, path) -> str:
+_CONV1D = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
+
+
+def _write_gguf(hf_model, path, quant: gguf.GGMLQuantizationType | None = None) -> str:
     """What llama.cpp's GPT2Model converter writes: the Conv1D weights transposed, the
-    checkpoint's tensors under llama.cpp's names (no output.weight: the head is tied)."""
+    checkpoint's tensors under llama.cpp's names (no output.weight: the head is tied);
+    with ``quant``, the blocks' matrices in that type."""
     cfg = hf_model.config
     writer = gguf.GGUFWriter(str(path), "gpt2")
     writer.add_block_count(cfg.n_layer)
@@ -117,15 +121,20 @@ def _write_gguf(hf_model, path) -> str:
              "ln_2": "ffn_norm", "mlp.c_fc": "ffn_up", "mlp.c_proj": "ffn_down"}
     for name, tensor in hf_model.transformer.state_dict().items():
         module, _, suffix = name.rpartition(".")
-        if module.startswith("h."):
-            _, layer, part = module.split(".", 2)
-            gguf_name = f"blk.{layer}.{parts[part]}.{suffix}"
-            if part in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj") \
-                    and suffix == "weight":
-                tensor = tensor.t()
+        if not module.startswith("h."):
+            writer.add_tensor(f"{names[module]}.{suffix}", tensor.numpy())
+            continue
+        _, layer, part = module.split(".", 2)
+        gguf_name = f"blk.{layer}.{parts[part]}.{suffix}"
+        if part in _CONV1D and suffix == "weight":
+            array = np.ascontiguousarray(tensor.t().numpy())  # [out, in]
+            if quant is not None:
+                writer.add_tensor(gguf_name, gguf.quants.quantize(array, quant),
+                                  raw_dtype=quant)
+                continue
+            writer.add_tensor(gguf_name, array)
         else:
-            gguf_name = f"{names[module]}.{suffix}"
-        writer.add_tensor(gguf_name, np.ascontiguousarray(tensor.numpy()))
+            writer.add_tensor(gguf_name, tensor.numpy())
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -133,12 +142,30 @@ def _write_gguf(hf_model, path) -> str:
     return str(path)
 
 
-def test_gguf_matches_transformers(tiny, tmp_path):
-    _, hf_model = tiny
-    path = _write_gguf(hf_model, tmp_path / "gpt2.gguf")
+def _assert_gguf_greedy(hf_model, path, label: str) -> None:
     prompts = _prompts(4, seed=4)
     compared = 0
     for prompt, out in zip(prompts, _llm(path).generate(prompts, GREEDY)):
         ours = list(out.outputs[0].token_ids)
-        compared += assert_greedy_match(ours, hf_scored(hf_model, prompt, ours), "gpt2 gguf")
+        compared += assert_greedy_match(ours, hf_scored(hf_model, prompt, ours), label)
     assert compared >= 4 * 16
+
+
+def test_gguf_matches_transformers(tiny, tmp_path):
+    _, hf_model = tiny
+    _assert_gguf_greedy(hf_model, _write_gguf(hf_model, tmp_path / "gpt2.gguf"), "gpt2 gguf")
+
+
+def test_quantized_gguf_matches_transformers(tmp_path):
+    """Q8_0 matrices come as llama.cpp stores them, [out, in], and are not transposed
+    again; transformers runs the same weights, rounded through Q8_0."""
+    q8_0 = gguf.GGMLQuantizationType.Q8_0
+    hf_model = _make(tmp_path / "hf")
+    with torch.no_grad():
+        for name, p in hf_model.named_parameters():
+            if name.endswith(tuple(f"{part}.weight" for part in _CONV1D)):
+                rows = p.t().contiguous().numpy()
+                rounded = gguf.quants.dequantize(gguf.quants.quantize(rows, q8_0), q8_0)
+                p.copy_(torch.from_numpy(rounded).t())
+    path = _write_gguf(hf_model, tmp_path / "gpt2-q8_0.gguf", quant=q8_0)
+    _assert_gguf_greedy(hf_model, path, "gpt2 q8_0 gguf")
