@@ -244,12 +244,15 @@ def test_dummy_model_runs_on_token_ids(model_dir):
         llm.generate("text needs a tokenizer", SamplingParams(max_tokens=1))
 
 
-def test_sliding_window_models_are_limited_to_the_window(tmp_path):
+def test_sliding_windows_are_per_layer_and_do_not_limit_the_serving_length(tmp_path):
+    # the attention backends implement the window: the model is served at its full length
     (tmp_path / "config.json").write_text(json.dumps({**CONFIG, "sliding_window": 256}))
-    with pytest.raises(ConfigError, match="sliding window of 256 tokens"):
-        build(str(tmp_path), num_blocks=16)
-    assert build(str(tmp_path), num_blocks=16, max_model_len=256).model.max_model_len == 256
+    config = build(str(tmp_path), num_blocks=16)
+    assert config.model.max_model_len == 512
+    assert config.model.text_config.layer_windows == (256,) * CONFIG["num_hidden_layers"]
     # Qwen2-style: a window that use_sliding_window=false switches off
     (tmp_path / "config.json").write_text(json.dumps(
-        {**CONFIG, "sliding_window": 256, "use_sliding_window": False}))
-    assert build(str(tmp_path), num_blocks=16).model.max_model_len == 512
+        {**CONFIG, "architectures": ["Qwen2ForCausalLM"], "sliding_window": 256,
+         "use_sliding_window": False}))
+    text = build(str(tmp_path), num_blocks=16).model.text_config
+    assert text.layer_windows == (None,) * CONFIG["num_hidden_layers"]
