@@ -97,15 +97,16 @@ class GraniteDecoderLayer(nn.Module):
 class GraniteModel(nn.Module):
     def __init__(self, config: GraniteConfig) -> None:
         super().__init__()
-        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size,
-                                           scale=config.embedding_multiplier)
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
+        self.embedding_multiplier = config.embedding_multiplier
         self.layers = nn.ModuleList(
             [GraniteDecoderLayer(config, i) for i in range(config.num_hidden_layers)])
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 attn_metadata: AttentionMetadata) -> torch.Tensor:
-        hidden_states = self.embed_tokens(input_ids)  # [num_tokens, hidden_size]
+        # times the multiplier as a Python float, as transformers does
+        hidden_states = self.embed_tokens(input_ids) * self.embedding_multiplier
         residual = None
         for layer in self.layers:
             hidden_states, residual = layer(positions, hidden_states, residual, attn_metadata)
