@@ -171,3 +171,21 @@ def test_gguf_matches_transformers(tiny, tmp_path):
         compared += assert_greedy_match(ours, hf_scored(hf_model, prompt, ours),
                                         f"{kind} gguf")
     assert compared >= 4 * 16
+
+
+@pytest.mark.parametrize("architecture", ["CohereForCausalLM", "Cohere2ForCausalLM"])
+def test_absent_keys_read_as_transformers_defaults(architecture):
+    import transformers as tf
+
+    minimal = {"vocab_size": 64, "hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 4, "intermediate_size": 16}
+    hf = getattr(tf, architecture.replace("ForCausalLM", "Config"))(**minimal)
+    ours = CohereConfig.from_hf({"architectures": [architecture], **minimal}, architecture)
+    windows = (tuple(hf.sliding_window if kind == "sliding_attention" else None
+                     for kind in hf.layer_types)
+               if architecture == "Cohere2ForCausalLM" else (None,) * hf.num_hidden_layers)
+    assert (ours.max_position_embeddings, ours.num_key_value_heads, ours.tie_word_embeddings,
+            ours.rope_theta, ours.logit_scale, ours.layer_windows, ours.head_dim,
+            ours.layer_norm_eps) == (
+        hf.max_position_embeddings, hf.num_key_value_heads, hf.tie_word_embeddings,
+        hf.rope_parameters["rope_theta"], hf.logit_scale, windows,
+        hf.hidden_size // hf.num_attention_heads, hf.layer_norm_eps)

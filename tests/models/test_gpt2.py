@@ -169,3 +169,16 @@ def test_quantized_gguf_matches_transformers(tmp_path):
                 p.copy_(torch.from_numpy(rounded).t())
     path = _write_gguf(hf_model, tmp_path / "gpt2-q8_0.gguf", quant=q8_0)
     _assert_gguf_greedy(hf_model, path, "gpt2 q8_0 gguf")
+
+
+def test_absent_keys_read_as_transformers_defaults():
+    import transformers as tf
+
+    minimal = {"vocab_size": 64, "n_embd": 64, "n_head": 4, "n_layer": 2}
+    hf = tf.GPT2Config(**minimal)
+    ours = GPT2Config.from_hf({"architectures": ["GPT2LMHeadModel"], **minimal},
+                              "GPT2LMHeadModel")
+    assert (ours.max_position_embeddings, ours.n_inner, ours.tie_word_embeddings,
+            ours.activation_function, ours.layer_norm_epsilon, ours.scale_attn_weights) == (
+        hf.n_positions, 4 * hf.n_embd, hf.tie_word_embeddings, hf.activation_function,
+        hf.layer_norm_epsilon, hf.scale_attn_weights)

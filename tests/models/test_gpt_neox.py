@@ -96,3 +96,19 @@ def test_batching_chunking_and_preemption_agree(tiny):
     core = small.engine.engine_core
     assert core.scheduler.num_preemptions_total > 0
     assert core.kv_cache_manager.num_free_blocks == 16
+
+
+def test_absent_keys_read_as_transformers_defaults():
+    import transformers as tf
+
+    minimal = {"vocab_size": 64, "hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 4, "intermediate_size": 16}
+    hf = tf.GPTNeoXConfig(**minimal)
+    ours = GPTNeoXConfig.from_hf({"architectures": ["GPTNeoXForCausalLM"], **minimal},
+                                 "GPTNeoXForCausalLM")
+    head_dim = hf.hidden_size // hf.num_attention_heads
+    assert (ours.max_position_embeddings, ours.tie_word_embeddings, ours.rope_theta,
+            ours.rotary_dim, ours.use_parallel_residual, ours.attention_bias,
+            ours.hidden_act, ours.layer_norm_eps) == (
+        hf.max_position_embeddings, hf.tie_word_embeddings, hf.rope_parameters["rope_theta"],
+        int(head_dim * hf.rope_parameters["partial_rotary_factor"]),
+        hf.use_parallel_residual, hf.attention_bias, hf.hidden_act, hf.layer_norm_eps)

@@ -9,6 +9,7 @@ import torch
 from hf_oracle import assert_outputs_match
 
 from vllmpy import LLM, SamplingParams
+from vllmpy.models.opt import OPTConfig
 
 VOCAB, POSITIONS = 384, 128
 GREEDY = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True, logprobs=5)
@@ -86,3 +87,19 @@ def test_batching_chunking_and_preemption_agree(tiny):
     core = small.engine.engine_core
     assert core.scheduler.num_preemptions_total > 0
     assert core.kv_cache_manager.num_free_blocks == 16
+
+
+def test_absent_keys_read_as_transformers_defaults():
+    import transformers as tf
+
+    minimal = {"vocab_size": 64, "hidden_size": 64, "num_attention_heads": 4,
+               "num_hidden_layers": 2, "ffn_dim": 16}
+    hf = tf.OPTConfig(**minimal)
+    ours = OPTConfig.from_hf({"architectures": ["OPTForCausalLM"], **minimal},
+                             "OPTForCausalLM")
+    assert (ours.max_position_embeddings, ours.tie_word_embeddings, ours.do_layer_norm_before,
+            ours.word_embed_proj_dim, ours.enable_bias, ours.layer_norm_elementwise_affine,
+            ours.activation_function) == (
+        hf.max_position_embeddings, hf.tie_word_embeddings, hf.do_layer_norm_before,
+        hf.word_embed_proj_dim, hf.enable_bias, hf.layer_norm_elementwise_affine,
+        hf.activation_function)

@@ -12,6 +12,7 @@ import torch
 from hf_oracle import assert_greedy_match, assert_outputs_match, hf_scored
 
 from vllmpy import LLM, SamplingParams
+from vllmpy.models.stablelm import StableLmConfig
 
 VOCAB, POSITIONS = 384, 128
 GREEDY = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True, logprobs=5)
@@ -151,3 +152,20 @@ def test_gguf_matches_transformers(tiny, tmp_path):
         compared += assert_greedy_match(ours, hf_scored(hf_model, prompt, ours),
                                         "stablelm gguf")
     assert compared >= 4 * 16
+
+
+def test_absent_keys_read_as_transformers_defaults():
+    import transformers as tf
+
+    minimal = {"vocab_size": 64, "hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 4, "intermediate_size": 16}
+    hf = tf.StableLmConfig(**minimal)
+    ours = StableLmConfig.from_hf({"architectures": ["StableLmForCausalLM"], **minimal},
+                                  "StableLmForCausalLM")
+    head_dim = hf.hidden_size // hf.num_attention_heads
+    assert (ours.max_position_embeddings, ours.num_key_value_heads, ours.tie_word_embeddings,
+            ours.rope_theta, ours.rotary_dim, ours.use_qkv_bias, ours.qk_layernorm,
+            ours.use_parallel_residual, ours.hidden_act) == (
+        hf.max_position_embeddings, hf.num_key_value_heads, hf.tie_word_embeddings,
+        hf.rope_parameters["rope_theta"],
+        int(head_dim * hf.rope_parameters["partial_rotary_factor"]), hf.use_qkv_bias,
+        hf.qk_layernorm, hf.use_parallel_residual, hf.hidden_act)

@@ -11,6 +11,7 @@ import torch
 from hf_oracle import assert_greedy_match, assert_outputs_match, hf_scored
 
 from vllmpy import LLM, SamplingParams
+from vllmpy.models.starcoder2 import Starcoder2Config
 
 VOCAB, POSITIONS = 384, 128
 GREEDY = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True, logprobs=5)
@@ -140,3 +141,18 @@ def test_gguf_matches_transformers(tmp_path):
         compared += assert_greedy_match(ours, hf_scored(hf_model, prompt, ours),
                                         "starcoder2 gguf")
     assert compared >= 4 * 16
+
+
+def test_absent_keys_read_as_transformers_defaults():
+    import transformers as tf
+
+    minimal = {"vocab_size": 64, "hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 4, "intermediate_size": 16}
+    hf = tf.Starcoder2Config(**minimal)
+    ours = Starcoder2Config.from_hf({"architectures": ["Starcoder2ForCausalLM"], **minimal},
+                                    "Starcoder2ForCausalLM")
+    assert (ours.max_position_embeddings, ours.num_key_value_heads, ours.tie_word_embeddings,
+            ours.rope_theta, ours.layer_windows, ours.use_bias, ours.hidden_act,
+            ours.norm_epsilon) == (
+        hf.max_position_embeddings, hf.num_key_value_heads, hf.tie_word_embeddings,
+        hf.rope_parameters["rope_theta"], (hf.sliding_window,) * hf.num_hidden_layers,
+        hf.use_bias, hf.hidden_act, hf.norm_epsilon)

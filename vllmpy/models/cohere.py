@@ -43,7 +43,7 @@ class CohereConfig(TextModelConfig):
     intermediate_size: int
     hidden_act: str
     layer_norm_eps: float
-    logit_scale: float | None  # the logits are multiplied by it (None: left as they are)
+    logit_scale: float  # the logits are multiplied by it
     rope_theta: float
     rope_scaling: dict[str, Any] | None
     attention_bias: bool  # q, k, v and o carry biases
@@ -63,7 +63,8 @@ class CohereConfig(TextModelConfig):
         layers = r.need("num_hidden_layers")
         if architecture == "Cohere2ForCausalLM":
             r.refuse("use_qk_norm", unless=False, why="Cohere2 has no q/k norms")
-            window = r.get("sliding_window", None, int)
+            # transformers' default when the key is absent; null: no layer slides
+            window = r.get("sliding_window", None, int) if "sliding_window" in cfg else 4096
             pattern = r.get("sliding_window_pattern", 4, int)
             if pattern <= 0:
                 raise ConfigError(f"{architecture} config 'sliding_window_pattern' must be "
@@ -80,10 +81,17 @@ class CohereConfig(TextModelConfig):
             windows, rotary, head_dim = (None,) * layers, (True,) * layers, None
             qk_norm = r.get("use_qk_norm", False, bool)
         theta, scaling = rope_settings(r)
-        return cls(**decoder_fields(r, architecture, windows, head_dim=head_dim),
-                   intermediate_size=r.need("intermediate_size"), hidden_act=act,
+        params = cfg.get("rope_parameters")
+        if (architecture == "CohereForCausalLM" and cfg.get("rope_theta") is None
+                and not (isinstance(params, dict) and "rope_theta" in params)):
+            theta = 500000.0  # transformers' CohereConfig default
+        fields = decoder_fields(r, architecture, windows, head_dim=head_dim)
+        # transformers' defaults for the family where they differ from Llama's
+        fields["max_position_embeddings"] = r.get("max_position_embeddings", 8192, int)
+        fields["tie_word_embeddings"] = r.get("tie_word_embeddings", True, bool)
+        return cls(**fields, intermediate_size=r.need("intermediate_size"), hidden_act=act,
                    layer_norm_eps=r.get("layer_norm_eps", 1e-5, float),
-                   logit_scale=r.get("logit_scale", None, float),
+                   logit_scale=r.get("logit_scale", 0.0625, float),
                    rope_theta=theta, rope_scaling=scaling,
                    attention_bias=r.get("attention_bias", False, bool),
                    use_qk_norm=qk_norm, layer_rotary=rotary)

@@ -56,6 +56,9 @@ class StableLmConfig(TextModelConfig):
             raise ConfigError(f"{architecture} config: hidden_size ({hidden}) must be a "
                               f"multiple of num_attention_heads ({heads})")
         fields["head_dim"] = hidden // heads  # what the modeling file uses, whatever is set
+        # transformers' StableLmConfig defaults where they differ from Llama's
+        fields["max_position_embeddings"] = r.get("max_position_embeddings", 4096, int)
+        fields["num_key_value_heads"] = r.get("num_key_value_heads", 32, int)
         theta, scaling = rope_settings(r)
         params = r.cfg.get("rope_parameters")
         params = params if isinstance(params, dict) else {}

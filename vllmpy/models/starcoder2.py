@@ -57,8 +57,12 @@ class Starcoder2Config(TextModelConfig):
         kinds = layer_types(r, layers, ["sliding_attention" if window else "full_attention"]
                             * layers)
         theta, scaling = rope_settings(r)
-        return cls(**decoder_fields(r, architecture, windows_of(kinds, window)),
-                   intermediate_size=r.need("intermediate_size"), hidden_act=act,
+        fields = decoder_fields(r, architecture, windows_of(kinds, window))
+        # transformers' Starcoder2Config defaults where they differ from Llama's
+        fields["max_position_embeddings"] = r.get("max_position_embeddings", 4096, int)
+        fields["num_key_value_heads"] = r.get("num_key_value_heads", 2, int)
+        fields["tie_word_embeddings"] = r.get("tie_word_embeddings", True, bool)
+        return cls(**fields, intermediate_size=r.need("intermediate_size"), hidden_act=act,
                    norm_epsilon=r.get("norm_epsilon", 1e-5, float),
                    rope_theta=theta, rope_scaling=scaling,
                    use_bias=r.get("use_bias", True, bool))
