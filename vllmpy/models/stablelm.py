@@ -89,9 +89,10 @@ class StableLmLayerNormPerHead(nn.Module):
         self.weight = nn.Parameter(torch.empty(num_heads, head_dim), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        heads = x.view(x.shape[0], *self.weight.shape)  # [num_tokens, num_heads, head_dim]
-        normed = F.layer_norm(heads, (heads.shape[-1],), None, None, self.eps) * self.weight
-        return normed.view(x.shape)
+        # [num_tokens, num_heads, head_dim], in float32 and rounded once, as nn.LayerNorm is
+        heads = x.float().view(x.shape[0], *self.weight.shape)
+        normed = F.layer_norm(heads, (heads.shape[-1],), None, None, self.eps)
+        return (normed * self.weight.float()).view(x.shape).to(x.dtype)
 
 
 class StableLmDecoderLayer(nn.Module):
