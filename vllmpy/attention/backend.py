@@ -109,7 +109,9 @@ def write_kv_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
 class TorchReferenceBackend(AttentionBackend):
     """Gathers each request's blocks and runs ``scaled_dot_product_attention``.
 
-    Plain and slow, but easy to trust: the CPU path and the reference for kernels.
+    Plain and slow, but easy to trust: the CPU path and the reference for kernels. With a
+    sliding window a request's blocks are read from the one holding the first key its
+    first query sees; with a softcap the scores are computed and capped explicitly.
     """
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -142,27 +144,36 @@ class TorchReferenceBackend(AttentionBackend):
         values = dequantize_kv(kv_cache[1, blocks].flatten(-4, -3), dtype, v_scale)
         return keys, values
 
+    def _first_block(self, position: int, block_size: int) -> int:
+        """The block holding the first key a query at ``position`` sees."""
+        if self.sliding_window is None:
+            return 0
+        return max(0, position - self.sliding_window + 1) // block_size
+
     def _one_request(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
                      i: int, seq_len: int, out: torch.Tensor,
                      scales: tuple[float, float]) -> None:
         q_start, q_end = meta.query_start_loc_cpu[i], meta.query_start_loc_cpu[i + 1]
         q_len = q_end - q_start
         num_blocks = -(-seq_len // meta.block_size)
-        keys, values = self._gather(kv_cache, meta.block_tables[i, :num_blocks].long(), q.dtype,
-                                    scales)
-        keys, values = keys[:seq_len], values[:seq_len]  # [seq_len, kv_heads, head_dim]
+        first = self._first_block(seq_len - q_len, meta.block_size)
+        offset = first * meta.block_size  # the position of the first key gathered
+        keys, values = self._gather(kv_cache, meta.block_tables[i, first:num_blocks].long(),
+                                    q.dtype, scales)
+        keys, values = keys[:seq_len - offset], values[:seq_len - offset]  # [keys, kvh, dim]
         group = self.num_heads // self.num_kv_heads
         if group > 1:
             keys = keys.repeat_interleave(group, dim=1)
             values = values.repeat_interleave(group, dim=1)
         query = q[q_start:q_end].transpose(0, 1)  # [heads, q_len, head_dim]
         mask = None
-        if q_len > 1:
+        window = self.sliding_window
+        if q_len > 1 or (window is not None and seq_len - window > offset):
             # query j sits at position seq_len - q_len + j and sees keys up to there
             q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
-            mask = q_pos[:, None] >= torch.arange(seq_len, device=q.device)[None, :]
-        attn = F.scaled_dot_product_attention(
-            query, keys.transpose(0, 1), values.transpose(0, 1), attn_mask=mask, scale=self.scale)
+            mask = _visible(q_pos[:, None], torch.arange(offset, seq_len, device=q.device),
+                            window)  # [q_len, keys]
+        attn = self._attention(query, keys.transpose(0, 1), values.transpose(0, 1), mask)
         out[q_start:q_end] = attn.transpose(0, 1)
 
     def _batched_decode(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
@@ -170,20 +181,53 @@ class TorchReferenceBackend(AttentionBackend):
                         scales: tuple[float, float]) -> None:
         """Every one-token query of the step in one padded attention call."""
         lens = [meta.seq_lens_cpu[i] for i in rows]
-        num_blocks = -(-max(lens) // meta.block_size)
+        block = meta.block_size
+        num_blocks = -(-max(lens) // block)
         idx = torch.tensor(rows, device=q.device)
         tokens = meta.query_start_loc[idx].long()  # the row of each request's one query
-        blocks = meta.block_tables[idx, :num_blocks].long()  # [R, num_blocks]
+        firsts = None
+        if self.sliding_window is None:
+            blocks = meta.block_tables[idx, :num_blocks].long()  # [R, num_blocks]
+        else:  # each row from the block holding its window's first key
+            firsts = torch.tensor([self._first_block(n - 1, block) for n in lens],
+                                  device=q.device)
+            num_blocks = max(-(-n // block) - int(f) for n, f in zip(lens, firsts.tolist()))
+            table = meta.block_tables[idx].long()
+            cols = (firsts[:, None] + torch.arange(num_blocks, device=q.device))
+            blocks = table.gather(1, cols.clamp_(max=table.shape[1] - 1))  # [R, num_blocks]
         keys, values = self._gather(kv_cache, blocks, q.dtype, scales)  # [R, L, kv_heads, dim]
         group = self.num_heads // self.num_kv_heads
         if group > 1:
             keys = keys.repeat_interleave(group, dim=2)
             values = values.repeat_interleave(group, dim=2)
-        positions = torch.arange(keys.shape[1], device=q.device)
-        seq_lens = torch.tensor(lens, device=q.device)
-        mask = (positions[None, :] < seq_lens[:, None])[:, None, None, :]  # [R, 1, 1, L]
+        positions = torch.arange(keys.shape[1], device=q.device)  # of each gathered key
+        if firsts is not None:
+            positions = firsts[:, None] * block + positions  # [R, L]
+        q_pos = torch.tensor(lens, device=q.device)[:, None] - 1
+        mask = _visible(q_pos, positions, self.sliding_window)[:, None, None, :]  # [R,1,1,L]
         query = q[tokens].unsqueeze(2)  # [R, heads, 1, head_dim]
-        attn = F.scaled_dot_product_attention(
-            query, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mask,
-            scale=self.scale)  # [R, heads, 1, head_dim]
-        out[tokens] = attn.squeeze(2)
+        attn = self._attention(query, keys.transpose(1, 2), values.transpose(1, 2), mask)
+        out[tokens] = attn.squeeze(2)  # [R, heads, head_dim]
+
+    def _attention(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                   mask: torch.Tensor | None) -> torch.Tensor:
+        """softmax(scores) @ values over [..., heads, len, head_dim] inputs, ``mask`` True
+        where a query sees a key; the scores capped when the layer has a softcap."""
+        cap = self.logit_softcap
+        if cap is None:
+            return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask,
+                                                  scale=self.scale)
+        scores = query.float() @ keys.float().transpose(-1, -2) * self.scale
+        scores = cap * torch.tanh(scores / cap)
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        return (scores.softmax(dim=-1) @ values.float()).to(query.dtype)
+
+
+def _visible(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor:
+    """Whether queries at ``q_pos`` see keys at ``k_pos`` (broadcast together): keys at
+    or before the query and, with a window, fewer than ``window`` positions before it."""
+    mask = k_pos <= q_pos
+    if window is not None:
+        mask &= q_pos - k_pos < window
+    return mask
