@@ -18,16 +18,16 @@ to rounding) and spends fewer, cheaper ops on each step:
   one per layer): a request that goes on decoding in the same row adds only its new
   token, and the matrix products read the copies in place, where the gather above would
   copy and convert every cached token again. Any other step drops the copies. They take
-  at most as much memory as the paged cache itself; past that the step gathers.
-  Measured on a shared 2-core x86 CPU, 16 requests of SmolLM2-135M decoding 32 to 160
-  tokens: even with the gather when the machine's memory is quiet, 276-316 against
-  231-244 tok/s when it is busy (the gather's copies then take three times as long). A
-  batch-1 step keeps gathering: there the copies' bookkeeping costs more than the gather;
+  at most as much memory as the paged cache itself; past that the step gathers. A
+  batch-1 step keeps gathering: there the copies' bookkeeping costs more than the gather
+  (figures in docs/BENCHMARKS.md, "CPU: decode copies");
 - a decode step that reads at most ``SERIAL_KV_ELEMENTS`` cached values runs on one
   thread: at that size, handing half of each copy to a second thread (which has to wake
-  up and pull the data into its own cache) costs more than it saves. Measured on a 2-core
-  x86 CPU inside a model's forward: a batch-1 decode layer went from about 130 to 90 us;
-  at 8 requests of 92 tokens two threads were faster again.
+  up and pull the data into its own cache) costs more than it saves;
+- a sliding window is read from the block holding the first key a query sees, so a long
+  request costs a window's work: decodes gather from there, prefill pieces read the keys
+  their queries see, and the decode copies of a row are a ring of a window's blocks. A
+  softcap caps the scores before the mask is added. Neither adds work when it is off.
 """
 
 from __future__ import annotations
@@ -80,7 +80,10 @@ class CpuAttentionBackend(AttentionBackend):
         decodes = [i for i in range(meta.num_reqs) if starts[i + 1] - starts[i] == 1]
         if len(decodes) == meta.num_reqs == q.shape[0]:  # a pure decode step, no padding
             threads = torch.get_num_threads()
-            kv_elements = 2 * len(decodes) * max(meta.seq_lens_cpu) * k.shape[1] * k.shape[2]
+            longest = max(meta.seq_lens_cpu)
+            if self.sliding_window is not None:  # a window's blocks hold fewer
+                longest = min(longest, self.sliding_window + meta.block_size - 1)
+            kv_elements = 2 * len(decodes) * longest * k.shape[1] * k.shape[2]
             serial = _OPENMP and threads > 1 and kv_elements <= SERIAL_KV_ELEMENTS
             if serial:
                 torch.set_num_threads(1)
@@ -122,28 +125,50 @@ class CpuAttentionBackend(AttentionBackend):
         seq_len = max(lens)
         num_blocks = -(-seq_len // meta.block_size)
         r, first = len(rows), rows[0]
+        window = self.sliding_window  # None too when it hides no key of this step
+        window = window if window is not None and seq_len > window else None
+        cols = slice(num_blocks) if window is None else slice(None)
         if rows == list(range(first, first + r)):
-            table = meta.block_tables[first:first + r, :num_blocks]
+            table = meta.block_tables[first:first + r, cols]
             # one token each: consecutive rows (all of q in a pure decode step)
             query = q if r == q.shape[0] else q[starts[first]:starts[first] + r]
         else:
-            table = meta.block_tables[torch.tensor(rows, device=dev), :num_blocks]
+            table = meta.block_tables[torch.tensor(rows, device=dev), cols]
             query = q[torch.tensor([starts[i] for i in rows], device=dev)]
+        if window is not None:
+            table, seq_len, bias = self._window_decode(table, lens, window, meta.block_size)
+        else:
+            bias = self._length_bias(lens, dev)
         keys, values = _gather(kv_cache, table, seq_len, q.dtype, scales)
-        return self._attend(query, keys, values, seq_len, self._length_bias(lens, dev))
+        return self._attend(query, keys, values, seq_len, bias)
+
+    def _window_decode(self, table: torch.Tensor, lens: list[int], window: int,
+                       block_size: int) -> tuple[torch.Tensor, int, tuple[torch.Tensor, float]]:
+        """For one-token queries of requests ``lens`` long with blocks ``table``: each
+        row's blocks from the one holding its window's first key, the tokens they span
+        (the longest row's) and the bias that hides the keys outside each window."""
+        firsts = [max(0, n - window) // block_size for n in lens]
+        ends = [n - f * block_size for n, f in zip(lens, firsts)]  # each row's length there
+        seq_len = max(ends)
+        table = _window_table(table, firsts, -(-seq_len // block_size))
+        spans = [min(n, window) for n in lens]
+        return table, seq_len, (_window_bias(ends, spans, seq_len, self.num_kv_heads,
+                                             table.device), 1.0)
 
     def _decode_step(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
                      scales: tuple[float, float]) -> torch.Tensor:
         """A pure decode step (one query row per request, in order): from the copies kept
         since the last step when they have room, else gathered. float32 [R, heads, dim]."""
-        mirror = self._mirror
-        if mirror is None or not mirror.fits(kv_cache, meta):
-            mirror = self._mirror = _DecodeMirror.sized_for(kv_cache, meta, mirror)
+        mirror, window = self._mirror, self.sliding_window
+        if mirror is None or not mirror.fits(kv_cache, meta, window):
+            mirror = self._mirror = _DecodeMirror.sized_for(kv_cache, meta, mirror, window)
             if mirror is None:
                 return self._decode(q, kv_cache, meta, list(range(meta.num_reqs)), scales)
         plan = _DecodePlan.for_step(meta, mirror)
-        keys, values = mirror.apply(plan, kv_cache, scales, q.dtype)
-        return self._attend(q, keys, values, plan.longest, plan.length_bias(self))
+        keys, values = mirror.apply(plan, kv_cache, scales, q.dtype, window)
+        capacity = mirror.kv.shape[3]
+        return self._attend(q, keys, values, min(plan.longest, capacity),
+                            plan.length_bias(self, capacity))
 
     def _length_bias(self, lens: list[int], device: torch.device
                      ) -> tuple[torch.Tensor, float]:
@@ -165,10 +190,20 @@ class CpuAttentionBackend(AttentionBackend):
         keys, values = keys[:, :seq_len], values[:, :seq_len]
         # [R, heads, dim] -> [R * kv_heads, group, dim]: batch index request * kv_heads + head
         query = _dense(query, torch.float32).view(r * kvh, group, dim)
-        scores = torch.baddbmm(bias[0], query, keys.transpose(1, 2), beta=bias[1],
-                               alpha=self.scale)  # [R * kv_heads, group, seq_len]
+        scores = self._scores(bias, query, keys.transpose(1, 2))  # [R * kvh, group, seq_len]
         attn = torch.bmm(torch.softmax(scores, dim=-1), values)  # [R * kv_heads, group, dim]
         return attn.view(r, self.num_heads, dim)
+
+    def _scores(self, bias: tuple[torch.Tensor, float], query: torch.Tensor,
+                keys_t: torch.Tensor) -> torch.Tensor:
+        """``bias[1] * bias[0] + scores`` for float32 [B, rows, dim] queries and [B, dim,
+        len] keys, the scores ``scale * q.k`` capped by the layer's softcap if it has one
+        (before the bias: a capped -inf would not hide its key)."""
+        cap = self.logit_softcap
+        if cap is None:
+            return torch.baddbmm(bias[0], query, keys_t, beta=bias[1], alpha=self.scale)
+        scores = torch.bmm(query, keys_t).mul_(self.scale / cap).tanh_().mul_(cap)
+        return scores.add_(bias[0]) if bias[1] else scores
 
     def _prefill(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
                  i: int, out: torch.Tensor, scales: tuple[float, float]) -> None:
@@ -177,26 +212,38 @@ class CpuAttentionBackend(AttentionBackend):
         q_start, q_end = meta.query_start_loc_cpu[i], meta.query_start_loc_cpu[i + 1]
         seq_len, dev = meta.seq_lens_cpu[i], q.device
         context = seq_len - (q_end - q_start)  # tokens cached before this step
-        num_blocks = -(-seq_len // meta.block_size)
-        keys, values = _gather(kv_cache, meta.block_tables[i:i + 1, :num_blocks], seq_len,
-                               q.dtype, scales)  # [kv_heads, seq_len, head_dim] each
+        num_blocks, window = -(-seq_len // meta.block_size), self.sliding_window
+        offset = 0  # the position of the first key gathered: its first query's first key's
+        if window is not None:
+            offset = max(0, context - window + 1) // meta.block_size * meta.block_size
+        keys, values = _gather(kv_cache,
+                               meta.block_tables[i:i + 1, offset // meta.block_size:num_blocks],
+                               seq_len - offset, q.dtype, scales)  # [kv_heads, keys, dim]
         kvh, group, dim = self.num_kv_heads, self.group, self.head_dim
         piece = max(1, SCORES_BUDGET // (self.num_heads * seq_len))
+        if window is not None:  # n queries see at most n + window - 1 keys
+            budget, w = SCORES_BUDGET // self.num_heads, window - 1
+            piece = max(piece, (math.isqrt(w * w + 4 * budget) - w) // 2)
         for lo in range(q_start, q_end, piece):
             hi = min(lo + piece, q_end)
             n = hi - lo
-            visible = context + hi - q_start  # the last query of the piece sees this many keys
+            begin, end = offset, context + hi - q_start  # the keys the piece's queries see
+            if window is not None:
+                begin = max(offset, context + lo - q_start - window + 1)
             # [n, heads, dim] -> [kv_heads, n * group, dim], rows ordered (token, group)
             query = _dense(q[lo:hi].reshape(n, kvh, group, dim).transpose(0, 1), torch.float32)
             positions = torch.arange(context + lo - q_start, context + hi - q_start, device=dev)
-            future = torch.arange(visible, device=dev) > positions[:, None]  # [n, visible]
-            bias = torch.zeros(n, group, visible, device=dev)
-            bias.masked_fill_(future[:, None, :], float("-inf"))
-            scores = torch.baddbmm(bias.view(1, n * group, visible),
-                                   query.view(kvh, n * group, dim),
-                                   keys[:, :visible].transpose(1, 2),
-                                   alpha=self.scale)  # [kv_heads, n * group, visible]
-            attn = torch.bmm(torch.softmax(scores, dim=-1), values[:, :visible])
+            key_positions = torch.arange(begin, end, device=dev)
+            hidden = key_positions > positions[:, None]  # [n, end - begin]
+            if window is not None:
+                hidden |= positions[:, None] - key_positions >= window
+            bias = torch.zeros(n, group, end - begin, device=dev)
+            bias.masked_fill_(hidden[:, None, :], float("-inf"))
+            seen = slice(begin - offset, end - offset)  # those keys among the gathered ones
+            scores = self._scores((bias.view(1, n * group, end - begin), 1.0),
+                                  query.view(kvh, n * group, dim),
+                                  keys[:, seen].transpose(1, 2))  # [kvh, n * group, keys]
+            attn = torch.bmm(torch.softmax(scores, dim=-1), values[:, seen])
             attn = attn.view(kvh, n, group, dim).transpose(0, 1)  # [n, kv_heads, group, dim]
             out[lo:hi].view(n, kvh, group, dim).copy_(attn)
 
@@ -204,7 +251,10 @@ class CpuAttentionBackend(AttentionBackend):
 class _DecodeMirror:
     """float32 copies of the cached keys and values of a pure decode step's requests,
     kept for the next step: row ``r`` holds the first ``lens[r]`` tokens of the request in
-    row ``r`` of the last step, read from the blocks ``table[r]``.
+    row ``r`` of the last step, read from the blocks ``table[r]``, token ``p`` at ``p``.
+    With a sliding window a row holds the tokens of its window, token ``p`` at ``p`` modulo
+    the copies' length (a ring as long as a window's blocks at most), and is read from
+    the block holding its window's first key on.
 
     A row is reused when the request in that row of the new step has one token more and
     the same blocks under its old tokens. The same block under the same positions holds
@@ -222,10 +272,10 @@ class _DecodeMirror:
 
     @classmethod
     def sized_for(cls, kv_cache: torch.Tensor, meta: AttentionMetadata,
-                  old: _DecodeMirror | None) -> _DecodeMirror | None:
+                  old: _DecodeMirror | None, window: int | None) -> _DecodeMirror | None:
         """Copies with room for this step's requests, keeping what ``old`` holds; None
         when they would take more memory than the paged cache itself."""
-        rows, longest = meta.num_reqs, max(meta.seq_lens_cpu)
+        rows, longest = meta.num_reqs, _mirror_length(meta, window)
         capacity = -(-longest // MIRROR_STEP) * MIRROR_STEP
         if old is not None and old.cache_ptr == kv_cache.data_ptr():
             rows, capacity = max(rows, old.kv.shape[1]), max(capacity, old.kv.shape[3])
@@ -235,28 +285,36 @@ class _DecodeMirror:
         if math.prod(shape) * 4 > kv_cache.numel() * kv_cache.element_size():
             return None
         mirror = cls(torch.zeros(shape, device=kv_cache.device), kv_cache.data_ptr())
+        # copies of a window are as long as they get before a row goes round: growing
+        # them never moves a token to another slot
         if old is not None and old.serial:
             _, held_rows, _, held, _ = old.kv.shape
             mirror.kv[:, :held_rows, :, :held] = old.kv
             mirror.serial, mirror.lens, mirror.table = old.serial, old.lens, old.table
         return mirror
 
-    def fits(self, kv_cache: torch.Tensor, meta: AttentionMetadata) -> bool:
+    def fits(self, kv_cache: torch.Tensor, meta: AttentionMetadata,
+             window: int | None) -> bool:
         return (kv_cache.data_ptr() == self.cache_ptr and meta.num_reqs <= self.kv.shape[1]
-                and max(meta.seq_lens_cpu) <= self.kv.shape[3])
+                and _mirror_length(meta, window) <= self.kv.shape[3])
 
     def forget(self) -> None:
         self.serial, self.lens = 0, []
 
     def apply(self, plan: _DecodePlan, kv_cache: torch.Tensor, scales: tuple[float, float],
-              dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+              dtype: torch.dtype, window: int | None) -> tuple[torch.Tensor, torch.Tensor]:
         """Bring the rows up to ``plan``'s step (its new tokens already in the cache) and
         return keys and values as [R * kv_heads, capacity, head_dim] views."""
         kv, rows = self.kv, len(plan.lens)
         _, _, kvh, capacity, dim = kv.shape
-        if plan.fresh:  # every token of these rows, the new one included
+        if plan.fresh and window is None:  # every token of these rows, the new one included
             pages = _pages(kv_cache, plan.fresh_table, plan.fresh_longest, dtype, scales)
             kv[:, plan.fresh_index, :, :plan.fresh_longest] = pages.to(kv.dtype)
+        elif plan.fresh and window is not None:  # their windows' blocks, into ring slots
+            table, targets = plan.ring_rows(window, kvh, capacity)
+            pages = _pages(kv_cache, table, table.shape[1] * plan.block_size, dtype, scales)
+            kv.view(2, -1, dim).index_copy_(1, targets,
+                                            pages.reshape(2, -1, dim).to(kv.dtype))
         if len(plan.fresh) < rows:  # the new token of every row (the fresh ones get it twice)
             flat = kv_cache.view(2, -1, kvh, dim)
             new = _dequantized(flat.index_select(1, plan.slots), dtype, scales)  # as _pages
@@ -281,7 +339,7 @@ class _DecodePlan:
         self.serial = next(self._serials)
         rows, lens, block, table = meta.num_reqs, meta.seq_lens_cpu, meta.block_size, \
             meta.block_tables
-        self.lens, self.longest = lens, max(lens)
+        self.lens, self.longest, self.block_size = lens, max(lens), block
         kept = min(rows, len(mirror.lens))
         self.fresh = list(range(kept, rows))
         if kept:
@@ -301,7 +359,8 @@ class _DecodePlan:
         past = torch.arange(blocks) * block >= torch.tensor(lens)[:, None]
         self.table = table[:rows, :blocks].masked_fill(past.to(table.device), -1)
         self._positions: dict[tuple[int, int], torch.Tensor] = {}
-        self._bias: dict[int, tuple[torch.Tensor, float]] = {}
+        self._bias: dict[tuple[int, int | None, int], tuple[torch.Tensor, float]] = {}
+        self._rings: dict[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
 
     @classmethod
     def for_step(cls, meta: AttentionMetadata, mirror: _DecodeMirror) -> _DecodePlan:
@@ -315,15 +374,80 @@ class _DecodePlan:
         key = (kv_heads, capacity)
         if key not in self._positions:
             at = torch.tensor(self.lens, device=self.slots.device) - 1  # [R]
+            if self.longest > capacity:  # rings: a window's tokens modulo their length
+                at %= capacity
             heads = torch.arange(len(self.lens) * kv_heads, device=at.device)  # r*kvh + h
             self._positions[key] = heads * capacity + at.repeat_interleave(kv_heads)
         return self._positions[key]
 
-    def length_bias(self, backend: CpuAttentionBackend) -> tuple[torch.Tensor, float]:
-        key = backend.num_kv_heads
+    def length_bias(self, backend: CpuAttentionBackend, capacity: int
+                    ) -> tuple[torch.Tensor, float]:
+        """baddbmm's (input, beta) over the first min(longest, capacity) slots of copies
+        ``capacity`` long: hides what lies past each row's end or outside its window."""
+        kvh, window = backend.num_kv_heads, backend.sliding_window
+        if window is None or self.longest <= window:
+            key: tuple[int, int | None, int] = (kvh, None, 0)
+            if key not in self._bias:
+                self._bias[key] = backend._length_bias(self.lens, self.slots.device)
+            return self._bias[key]
+        key = (kvh, window, capacity)
         if key not in self._bias:
-            self._bias[key] = backend._length_bias(self.lens, self.slots.device)
+            spans = [min(n, window) for n in self.lens]
+            bias = _window_bias(self.lens, spans, min(self.longest, capacity), kvh,
+                                self.slots.device, capacity)
+            self._bias[key] = bias, 1.0
         return self._bias[key]
+
+    def ring_rows(self, window: int, kv_heads: int, capacity: int
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """For the fresh rows of copies with a window: their blocks from the one holding
+        their window's first key [F, blocks], and where each of those blocks' tokens goes
+        in [rows * kv_heads * capacity] (row, head, position modulo capacity), in the
+        order of ``_pages``. A padded row's tokens past its end land on slots that its
+        window hides until it writes them."""
+        key = (window, kv_heads, capacity)
+        if key not in self._rings:
+            block, dev = self.block_size, self.slots.device
+            lens = [self.lens[r] for r in self.fresh]
+            firsts = [max(0, n - window) // block for n in lens]
+            blocks = max(-(-n // block) - f for n, f in zip(lens, firsts))
+            table = _window_table(self.fresh_table, firsts, blocks)  # [F, blocks]
+            at = torch.tensor(firsts, device=dev)[:, None] * block + torch.arange(
+                blocks * block, device=dev)  # [F, tokens]: the position of each token
+            heads = self.fresh_index[:, None] * kv_heads + torch.arange(kv_heads, device=dev)
+            targets = heads[:, :, None] * capacity + (at % capacity)[:, None, :]
+            self._rings[key] = table, targets.reshape(-1)  # [F * kv_heads * tokens]
+        return self._rings[key]
+
+
+def _mirror_length(meta: AttentionMetadata, window: int | None) -> int:
+    """The tokens a row of the decode copies needs for this step: the longest request's;
+    with a window, its blocks' tokens up to those a window's blocks can hold."""
+    longest, block = max(meta.seq_lens_cpu), meta.block_size
+    if window is None:
+        return longest
+    return min(-(-longest // block) * block, (-(-window // block) + 1) * block)
+
+
+def _window_table(table: torch.Tensor, firsts: list[int], num_blocks: int) -> torch.Tensor:
+    """[R, num_blocks]: row r's blocks from column ``firsts[r]`` of ``table`` [R, width] on,
+    past its last column repeating that one (tokens a bias hides)."""
+    cols = torch.tensor(firsts, device=table.device)[:, None] + torch.arange(
+        num_blocks, device=table.device)
+    return table.gather(1, cols.clamp_(max=table.shape[1] - 1))
+
+
+def _window_bias(ends: list[int], spans: list[int], length: int, kv_heads: int,
+                 device: torch.device, capacity: int | None = None) -> torch.Tensor:
+    """[R * kv_heads, 1, length]: 0 at the ``spans[r]`` slots before ``ends[r]`` in row
+    r (going round a ring of ``capacity`` slots when given), -inf elsewhere."""
+    back = torch.tensor(ends, device=device)[:, None] - 1 - torch.arange(length, device=device)
+    if capacity is not None:
+        back %= capacity  # [R, length]: how many tokens before the row's last one
+    hidden = (back < 0) | (back >= torch.tensor(spans, device=device)[:, None])
+    bias = torch.zeros(len(ends), kv_heads, 1, length, device=device)
+    bias.masked_fill_(hidden[:, None, None, :], float("-inf"))
+    return bias.view(len(ends) * kv_heads, 1, length)
 
 
 def _past_end_bias(lens: list[int], kv_heads: int, device: torch.device) -> torch.Tensor:
