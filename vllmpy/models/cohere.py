@@ -74,18 +74,18 @@ class CohereConfig(TextModelConfig):
             windows = windows_of(kinds, window)
             # Cohere2Attention rotates exactly the layers that have a window
             rotary = tuple(w is not None for w in windows)
-            # Cohere2Config sets head_dim to hidden_size // num_attention_heads, always
-            head_dim = r.need("hidden_size") // r.need("num_attention_heads")
             qk_norm = False
         else:
-            windows, rotary, head_dim = (None,) * layers, (True,) * layers, None
+            windows, rotary = (None,) * layers, (True,) * layers
             qk_norm = r.get("use_qk_norm", False, bool)
         theta, scaling = rope_settings(r)
         params = cfg.get("rope_parameters")
         if (architecture == "CohereForCausalLM" and cfg.get("rope_theta") is None
                 and not (isinstance(params, dict) and "rope_theta" in params)):
             theta = 500000.0  # transformers' CohereConfig default
-        fields = decoder_fields(r, architecture, windows, head_dim=head_dim)
+        fields = decoder_fields(r, architecture, windows)
+        if architecture == "Cohere2ForCausalLM":  # Cohere2Config sets it so, always
+            fields["head_dim"] = fields["hidden_size"] // fields["num_attention_heads"]
         # transformers' defaults for the family where they differ from Llama's
         fields["max_position_embeddings"] = r.get("max_position_embeddings", 8192, int)
         fields["tie_word_embeddings"] = r.get("tie_word_embeddings", True, bool)
