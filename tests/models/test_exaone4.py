@@ -102,3 +102,19 @@ def test_config_reading_and_refusals():
                                "layer_types": ["sliding_attention"] * 4}, "Exaone4ForCausalLM")
     with pytest.raises(ConfigError, match="hidden_act"):
         Exaone4Config.from_hf({**base, "hidden_act": "relu"}, "Exaone4ForCausalLM")
+
+
+def test_absent_keys_read_as_transformers_defaults():
+    import transformers as tf
+
+    minimal = {"vocab_size": 64, "hidden_size": 64, "num_attention_heads": 4,
+               "num_hidden_layers": 4, "intermediate_size": 16}
+    hf = tf.Exaone4Config(**minimal)
+    ours = Exaone4Config.from_hf({"architectures": ["Exaone4ForCausalLM"], **minimal},
+                                 "Exaone4ForCausalLM")
+    windows = tuple(hf.sliding_window if kind == "sliding_attention" else None
+                    for kind in hf.layer_types)
+    assert (ours.max_position_embeddings, ours.num_key_value_heads, ours.tie_word_embeddings,
+            ours.rms_norm_eps, ours.rope_theta, ours.layer_windows) == (
+        hf.max_position_embeddings, hf.num_key_value_heads, hf.tie_word_embeddings,
+        hf.rms_norm_eps, hf.rope_parameters["rope_theta"], windows)

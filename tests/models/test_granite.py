@@ -92,3 +92,21 @@ def test_refusals_name_the_key():
                                 "GraniteForCausalLM")
     assert (cfg.embedding_multiplier, cfg.residual_multiplier, cfg.attention_multiplier,
             cfg.logits_scaling) == (1.0, 1.0, 1.0, 1.0)  # transformers' defaults
+
+
+def test_absent_keys_read_as_transformers_defaults():
+    import transformers as tf
+
+    minimal = {"vocab_size": 64, "hidden_size": 64, "num_attention_heads": 4,
+               "num_hidden_layers": 4, "intermediate_size": 16}
+    hf = tf.GraniteConfig(**minimal)
+    ours = GraniteConfig.from_hf({"architectures": ["GraniteForCausalLM"], **minimal},
+                                 "GraniteForCausalLM")
+    assert (ours.max_position_embeddings, ours.num_key_value_heads, ours.tie_word_embeddings,
+            ours.rms_norm_eps, ours.rope_theta, ours.attention_bias, ours.mlp_bias,
+            ours.embedding_multiplier, ours.residual_multiplier, ours.attention_multiplier,
+            ours.logits_scaling) == (
+        hf.max_position_embeddings, hf.num_key_value_heads, hf.tie_word_embeddings,
+        hf.rms_norm_eps, hf.rope_parameters["rope_theta"], hf.attention_bias, hf.mlp_bias,
+        hf.embedding_multiplier, hf.residual_multiplier, hf.attention_multiplier,
+        hf.logits_scaling)

@@ -167,3 +167,25 @@ def test_olmo3_config_refusals_and_legacy_rope():
     assert cfg.layer_windows == (4096, 4096, 4096, None)
     assert cfg.layer_ropes[0] == (1e6, None)
     assert cfg.layer_ropes[3] == (1e6, {"rope_type": "linear", "factor": 4.0})
+
+
+@pytest.mark.parametrize("architecture", ["Olmo2ForCausalLM", "Olmo3ForCausalLM"])
+def test_absent_keys_read_as_transformers_defaults(architecture):
+    import transformers as tf
+
+    from vllmpy.models.registry import text_config
+
+    minimal = {"vocab_size": 64, "hidden_size": 64, "num_attention_heads": 4,
+               "num_hidden_layers": 4, "intermediate_size": 16}
+    hf = getattr(tf, architecture.replace("ForCausalLM", "Config"))(**minimal)
+    ours = text_config({"architectures": [architecture], **minimal})
+    kinds = getattr(hf, "layer_types", None) or ["full_attention"] * 4
+    rope = hf.rope_parameters
+    thetas = tuple(rope.get(kind, rope)["rope_theta"] for kind in kinds)
+    windows = tuple(getattr(hf, "sliding_window", None) if kind == "sliding_attention"
+                    else None for kind in kinds)
+    assert (ours.max_position_embeddings, ours.num_key_value_heads, ours.tie_word_embeddings,
+            ours.rms_norm_eps, ours.attention_bias, ours.layer_windows,
+            tuple(theta for theta, _ in ours.layer_ropes)) == (
+        hf.max_position_embeddings, hf.num_key_value_heads, hf.tie_word_embeddings,
+        hf.rms_norm_eps, hf.attention_bias, windows, thetas)

@@ -170,3 +170,17 @@ def test_refusals_name_the_key():
     cfg = Phi3Config.from_hf(legacy, "Phi3ForCausalLM")
     assert cfg.rope_scaling is not None
     assert cfg.rope_scaling["original_max_position_embeddings"] == 128
+
+
+def test_absent_keys_read_as_transformers_defaults():
+    import transformers as tf
+
+    minimal = {"vocab_size": 64, "hidden_size": 64, "num_attention_heads": 4,
+               "num_hidden_layers": 4, "intermediate_size": 16}
+    hf = tf.Phi3Config(**minimal)
+    ours = Phi3Config.from_hf({"architectures": ["Phi3ForCausalLM"], **minimal},
+                              "Phi3ForCausalLM")
+    assert (ours.max_position_embeddings, ours.num_key_value_heads, ours.tie_word_embeddings,
+            ours.rms_norm_eps, ours.rope_theta, ours.rope_scaling, ours.layer_windows) == (
+        hf.max_position_embeddings, hf.num_key_value_heads, hf.tie_word_embeddings,
+        hf.rms_norm_eps, hf.rope_parameters["rope_theta"], None, (hf.sliding_window,) * 4)

@@ -101,3 +101,18 @@ def test_config_reading_and_refusals():
     with pytest.raises(ConfigError, match="use_sliding_window"):
         SmolLM3Config.from_hf({**base, "sliding_window": 8,
                                "layer_types": ["sliding_attention"] * 4}, "SmolLM3ForCausalLM")
+
+
+def test_absent_keys_read_as_transformers_defaults():
+    import transformers as tf
+
+    minimal = {"vocab_size": 64, "hidden_size": 64, "num_attention_heads": 4,
+               "num_hidden_layers": 8, "intermediate_size": 16}
+    hf = tf.SmolLM3Config(**minimal)
+    ours = SmolLM3Config.from_hf({"architectures": ["SmolLM3ForCausalLM"], **minimal},
+                                 "SmolLM3ForCausalLM")
+    assert (ours.max_position_embeddings, ours.num_key_value_heads, ours.tie_word_embeddings,
+            ours.rms_norm_eps, ours.rope_theta, ours.layer_rotary, ours.layer_windows) == (
+        hf.max_position_embeddings, hf.num_key_value_heads, hf.tie_word_embeddings,
+        hf.rms_norm_eps, hf.rope_parameters["rope_theta"],
+        tuple(bool(f) for f in hf.no_rope_layers), (None,) * 8)
