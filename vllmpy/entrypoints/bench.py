@@ -399,7 +399,9 @@ def _serving_vocab(args: argparse.Namespace, config: dict[str, Any]) -> tuple[in
         if path and os.path.exists(path):
             fmt = "dummy" if config.get("source") == "dummy" else args.load_format
             src = resolve_model_source(path, load_format=fmt)
-            return int(src.hf_config["vocab_size"]), set(src.eos_token_ids)
+            from vllmpy.models.registry import text_config
+
+            return text_config(src.hf_config).vocab_size, set(src.eos_token_ids)
     raise UsageError("random prompts in serving mode need the model's vocabulary: pass "
                      "--model <model dir or .gguf> as served, or --dataset-path")
 

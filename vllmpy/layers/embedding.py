@@ -2,7 +2,7 @@
 
 ``VocabEmbedding`` is ``nn.Embedding`` with Hugging Face's parameter name (``weight``), an
 uninitialised weight (the loader fills it) and an optional scale in the model's dtype
-(Gemma multiplies by sqrt(hidden_size), Granite by ``embedding_multiplier``).
+(Gemma multiplies by sqrt(hidden_size)).
 ``head_logits`` is the head every causal LM shares: ``lm_head`` or the tied embedding, then
 the final transforms some families apply to the logits (a scale, a soft cap).
 """
@@ -27,8 +27,9 @@ class VocabEmbedding(nn.Embedding):
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         x = super().forward(input_ids)  # [num_tokens, hidden_size]
         if self.scale is not None:
-            # the scale rounded to the model's dtype first, as Hugging Face does
-            x = x * torch.tensor(self.scale, dtype=x.dtype, device=x.device)
+            # the scale rounded to the model's dtype first, as Hugging Face does; a Python
+            # number, so that no host-to-device copy stands in a CUDA graph
+            x = x * float(torch.tensor(self.scale, dtype=x.dtype))
         return x
 
 
