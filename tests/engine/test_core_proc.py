@@ -154,10 +154,15 @@ def test_busy_loop_serves_aborts_utilities_and_survives_a_failing_step(tmp_path)
 
 
 def test_startup_error_carries_the_core_message(tmp_path):
-    source, config = tiny_source_and_config(
-        tmp_path, {**CONFIG, "architectures": ["GPT2LMHeadModel"]})
+    import dataclasses
+
+    source, config = tiny_source_and_config(tmp_path)
+    # a model class the core cannot resolve: the failure happens inside the core process
+    text = dataclasses.replace(config.model.text_config, architectures=["BloomForCausalLM"])
+    config = dataclasses.replace(config, model=dataclasses.replace(config.model,
+                                                                   text_config=text))
     client = AsyncMPClient.from_config(config, source)
-    with pytest.raises(EngineStartupError, match="GPT2LMHeadModel"):
+    with pytest.raises(EngineStartupError, match="BloomForCausalLM"):
         client.wait_until_ready()
     assert not client.proc.is_alive() and not os.path.exists(client._ipc_dir)
 
