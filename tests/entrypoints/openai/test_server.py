@@ -258,16 +258,14 @@ def test_server_flags(smollm_path, tmp_path):
     r = run("--model", smollm_path, "--max-model-len", "100000000")
     assert r.returncode == 2
     assert r.stderr.strip().splitlines()[-1].startswith("server: --max-model-len 100000000")
-    # a model the core cannot load: its error in one last line, exit code 1
+    # an architecture no converter reads: named before any field, the same one line and code
     (tmp_path / "config.json").write_text(json.dumps({
-        "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "hidden_size": 64,
-        "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
-        "vocab_size": 256, "max_position_embeddings": 512}))
+        "architectures": ["BloomForCausalLM"], "model_type": "bloom", "n_embd": 64,
+        "n_layer": 2, "vocab_size": 256}))
     r = run("--model", str(tmp_path), "--load-format", "dummy", "--device", "cpu")
-    assert r.returncode == 1
+    assert r.returncode == 2
     assert r.stderr.strip().splitlines()[-1].startswith(
-        "server: the engine core failed to start: UnsupportedArchitectureError: "
-        "architecture ['GPT2LMHeadModel'] is not supported")
+        "server: architecture ['BloomForCausalLM'] is not supported")
 
 
 def test_api_key_notices_and_keepalive(smollm_path):
