@@ -53,9 +53,29 @@ FAMILIES: dict[str, tuple[str, dict]] = {
 }
 
 
-def _build(arch: str, path) -> torch.nn.Module:
+def _gemma4(path) -> tuple[torch.nn.Module, int]:
+    from models.test_gemma import VOCAB, _hf_model
+
+    model = _hf_model("gemma4")
+    model.save_pretrained(path, safe_serialization=True)
+    return model, VOCAB - 3
+
+
+def _internlm3(path) -> tuple[torch.nn.Module, int]:
+    from models.test_internlm3 import SHAPE, _make  # InternLM3's config over a stand-in
+
+    return _make("biases", path), SHAPE["vocab_size"]
+
+
+# architectures whose tiny model their CPU test file builds: -> (model, prompt vocabulary)
+BUILT_ELSEWHERE = {"Gemma4ForCausalLM": _gemma4, "InternLM3ForCausalLM": _internlm3}
+
+
+def _build(arch: str, path) -> tuple[torch.nn.Module, int]:
     import transformers as tf
 
+    if arch in BUILT_ELSEWHERE:
+        return BUILT_ELSEWHERE[arch](path)
     cls, kwargs = FAMILIES[arch]
     kwargs = dict(kwargs, pad_token_id=0, bos_token_id=1, eos_token_id=2)  # in the vocab
     torch.manual_seed(0)
@@ -68,17 +88,18 @@ def _build(arch: str, path) -> torch.nn.Module:
                 p.normal_(0, 0.1)
     model = model.float().eval()
     model.save_pretrained(path, safe_serialization=True)
-    return model
+    return model, kwargs["vocab_size"]
 
 
-@pytest.mark.parametrize("arch", sorted(FAMILIES))
+@pytest.mark.parametrize("arch", sorted([*FAMILIES, *BUILT_ELSEWHERE]))
 def test_bf16_with_cuda_graphs_agrees_with_transformers(arch, tmp_path):
-    hf = _build(arch, tmp_path).to(device="cuda", dtype=torch.bfloat16)
+    hf, vocab = _build(arch, tmp_path)
+    hf = hf.to(device="cuda", dtype=torch.bfloat16)
     llm = LLM(str(tmp_path), skip_tokenizer_init=True, device="cuda", dtype="bfloat16",
               block_size=16, num_blocks=256)
     assert llm.engine.engine_core.model_runner.graphs is not None  # the graphs ran
     g = torch.Generator().manual_seed(5)
-    prompts = [torch.randint(0, 384, (int(n),), generator=g).tolist()
+    prompts = [torch.randint(0, vocab, (int(n),), generator=g).tolist()
                for n in torch.randint(3, 40, (24,), generator=g)]
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=32,
                                                 ignore_eos=True), use_tqdm=False)
