@@ -64,6 +64,8 @@ class ModelConfig:
     seed: int
     # most logprobs / prompt_logprobs a request may ask for (-1: the whole vocabulary)
     max_logprobs: int = 20
+    # the checkpoint's weight quantization (a layers.quantization.QuantizationConfig)
+    quantization: Any = None
 
 
 @dataclass(frozen=True)
@@ -121,6 +123,7 @@ class EngineArgs:
     num_blocks: int | None = None  # default 256 when kv_cache_memory is not given
     kv_cache_memory: int | None = None
     kv_cache_dtype: str = "auto"
+    quantization: str | None = None  # None: what the checkpoint declares
     max_num_seqs: int = 32
     max_num_batched_tokens: int | None = None  # default 8192 on CUDA, 2048 on the CPU
     enforce_eager: bool = False  # CUDA: run every step eagerly (no CUDA graphs)
@@ -161,6 +164,11 @@ class EngineArgs:
                        help="KV page storage: auto (what the checkpoint declares, else the "
                             "model dtype), bfloat16, float32, fp8 = fp8_e4m3 (1 byte, "
                             "per-layer scales); float16 and fp8_e5m2 are refused")
+        g.add_argument("--quantization", "-q", default=None,
+                       help="weight quantization: by default what the checkpoint declares "
+                            "(config.json quantization_config, hf_quant_config.json, GGUF "
+                            "block types); fp8 on an unquantized checkpoint quantizes its "
+                            "linear weights to fp8 at load")
         g.add_argument("--max-num-seqs", type=positive_int, default=32)
         g.add_argument("--max-num-batched-tokens", type=positive_int, default=None,
                        help="token budget of one step (default 8192 on CUDA, 2048 on the CPU)")

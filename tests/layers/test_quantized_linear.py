@@ -1,5 +1,5 @@
-"""GGUF-quantized weights in the linear layers: kept 4-bit on the CPU in bfloat16, exact
-dequantization everywhere else."""
+"""GGUF-quantized weights in the linear layers (the GGUF quantization method): kept 4-bit
+on the CPU in bfloat16, exact dequantization where no CPU kernel takes the type."""
 
 from __future__ import annotations
 
@@ -10,12 +10,8 @@ import torch
 from gguf import GGMLQuantizationType as QType
 
 from vllmpy.layers.linear import Linear, PackedLinear, describe_quantized_layers
-from vllmpy.layers.quantized import (
-    BLOCK,
-    QuantizedTensor,
-    int4_linear,
-    pack_int4,
-)
+from vllmpy.layers.quantization.gguf import GGUFLinearMethod, QuantizedTensor
+from vllmpy.ops.cpu_int4 import BLOCK, int4_linear, pack_int4
 
 TYPES = ("Q4_0", "Q4_1", "Q8_0")
 INT4 = ("Q4_0", "Q4_1")
@@ -38,6 +34,16 @@ def weights(rows: int, cols: int, seed: int) -> np.ndarray:
     rng = np.random.default_rng(seed)
     w = rng.standard_normal((rows, cols)) * rng.uniform(0.01, 0.2, (rows, 1))
     return (w + rng.uniform(-0.05, 0.05, (rows, 1))).astype(np.float32)
+
+
+def gguf_linear(cols: int, rows: int, bias: bool = False) -> Linear:
+    layer = Linear(cols, rows, bias)
+    layer.set_method(GGUFLinearMethod())
+    return layer
+
+
+def kinds(layer: Linear) -> list[str]:
+    return [seg.kind for seg in layer.method.segments]
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -81,9 +87,9 @@ def test_int4_kernel_convention_and_packing():
 def test_int4_linear_matches_the_dequantized_matmul(qtype, num_tokens):
     w = weights(96, 6 * BLOCK, seed=1)
     qt = quantize(w, qtype, torch.bfloat16)
-    layer = Linear(w.shape[1], w.shape[0]).to(torch.bfloat16)
+    layer = gguf_linear(w.shape[1], w.shape[0])
     layer.load_weight(qt, "w")
-    assert layer.int4 is not None and layer.weight is None
+    assert kinds(layer) == ["int4"] and not hasattr(layer, "weight")
     x = torch.randn(num_tokens, w.shape[1]).bfloat16()
     exact = x.float() @ reference(qtype, w).t()
     err = rel_err(layer(x), exact)
@@ -97,7 +103,8 @@ def test_int4_linear_matches_the_dequantized_matmul(qtype, num_tokens):
 @pytest.mark.parametrize("num_tokens", [1, 5])
 def test_q8_0_in_two_4_bit_passes_matches_the_dequantized_matmul(num_tokens):
     w = weights(96, 6 * BLOCK, seed=5)
-    packed = pack_int4(quantize(w, "Q8_0", torch.bfloat16), torch.bfloat16)
+    qt = quantize(w, "Q8_0", torch.bfloat16)
+    packed = pack_int4(qt.blocks, "Q8_0", w.shape[1], torch.bfloat16)
     assert len(packed.passes) == 2
     x = torch.randn(num_tokens, w.shape[1]).bfloat16()
     exact = x.float() @ reference("Q8_0", w).t()
@@ -111,7 +118,7 @@ def test_int4_scales_round_only_to_bfloat16():
     matmul up to the output's rounding."""
     w = weights(64, 4 * BLOCK, seed=2)
     qt = quantize(w, "Q4_1", torch.bfloat16)
-    packed = pack_int4(qt, torch.bfloat16)
+    packed = pack_int4(qt.blocks, "Q4_1", w.shape[1], torch.bfloat16)
     (_, scales_zeros), = packed.passes
     s = scales_zeros[..., 0].float().t().repeat_interleave(BLOCK, 1)
     z = scales_zeros[..., 1].float().t().repeat_interleave(BLOCK, 1)
@@ -133,81 +140,87 @@ def _q4_1_scales(qt: QuantizedTensor) -> tuple[torch.Tensor, torch.Tensor]:
             m.repeat_interleave(BLOCK, 1).reshape(rows, cols))
 
 
-@pytest.mark.parametrize("dtype,qtype", [(torch.float32, "Q4_1"), (torch.float32, "Q8_0"),
-                                         (torch.bfloat16, "Q8_0")])
+# Q5_0: a type no CPU kernel takes
+@pytest.mark.parametrize("dtype,qtype", [(torch.float32, "Q4_1"), (torch.float32, "Q5_0"),
+                                         (torch.bfloat16, "Q5_0")])
 def test_other_cases_dequantize_exactly(dtype, qtype):
     w = weights(32, 2 * BLOCK, seed=3)
-    layer = Linear(w.shape[1], w.shape[0]).to(dtype)
+    layer = gguf_linear(w.shape[1], w.shape[0])
     layer.load_weight(quantize(w, qtype, dtype), "w")
-    assert layer.int4 is None and layer.weight is not None
-    assert torch.equal(layer.weight, reference(qtype, w).to(dtype))
+    assert kinds(layer) == ["dense"]
+    assert torch.equal(layer.method.segments[0].weight, reference(qtype, w).to(dtype))
 
 
 def test_rows_the_packer_cannot_take_are_dequantized():
     w = weights(40, 2 * BLOCK, seed=4)  # 40 rows: not a multiple of 16
-    layer = Linear(w.shape[1], w.shape[0]).to(torch.bfloat16)
+    layer = gguf_linear(w.shape[1], w.shape[0])
     layer.load_weight(quantize(w, "Q4_0", torch.bfloat16), "w")
-    assert layer.int4 is None
-    assert torch.equal(layer.weight, reference("Q4_0", w).bfloat16())
+    assert kinds(layer) == ["dense"]
+    assert torch.equal(layer.method.segments[0].weight, reference("Q4_0", w).bfloat16())
 
 
 def qkv_layer(dtype: torch.dtype, bias: bool = False) -> PackedLinear:
-    return PackedLinear(2 * BLOCK, {"q": 64, "k": 32, "v": 32}, bias=bias).to(dtype)
+    layer = PackedLinear(2 * BLOCK, {"q": 64, "k": 32, "v": 32}, bias=bias).to(dtype)
+    layer.set_method(GGUFLinearMethod())
+    return layer
 
 
 def test_packed_shards_are_packed_together():
     ws = {s: weights(n, 2 * BLOCK, seed=i) for i, (s, n) in enumerate(
         (("q", 64), ("k", 32), ("v", 32)))}
     layer = qkv_layer(torch.bfloat16, bias=True)
-    param, bias = layer.weight, layer.bias
-    assert param is not None and bias is not None
     for shard, w in ws.items():
-        layer.weight_loader(param, quantize(w, "Q4_1", torch.bfloat16), shard, shard)
-        assert (layer.int4 is None) == (shard != "v")  # packed once the last shard is in
-        layer.weight_loader(bias, torch.full((w.shape[0],), 1.0), shard, shard)
-    assert layer.weight is None
+        layer.load_tensor("weight", quantize(w, "Q4_1", torch.bfloat16), shard, shard)
+        layer.load_tensor("bias", torch.full((w.shape[0],), 1.0), shard, shard)
+        assert (kinds(layer) == []) == (shard != "v")  # packed once the last shard is in
+    assert kinds(layer) == ["int4"]
     x = torch.randn(3, 2 * BLOCK).bfloat16()
     exact = x.float() @ torch.cat([reference("Q4_1", w) for w in ws.values()]).t() + 1.0
     assert rel_err(layer(x), exact) < 1e-2
 
 
-def test_packed_shards_of_mixed_types_are_dequantized():
+def test_packed_shards_of_mixed_types_run_side_by_side():
+    """Q4_1 q and k pack together; a Q5_0 v has no CPU kernel and is dequantized
+    into its own segment: one output, each segment's columns its own."""
     ws = {s: weights(n, 2 * BLOCK, seed=i) for i, (s, n) in enumerate(
         (("q", 64), ("k", 32), ("v", 32)))}
-    types = {"q": "Q4_1", "k": "Q4_1", "v": "Q8_0"}
+    types = {"q": "Q4_1", "k": "Q4_1", "v": "Q5_0"}
     layer = qkv_layer(torch.bfloat16)
-    param = layer.weight
-    assert param is not None
     for shard, w in ws.items():
-        layer.weight_loader(param, quantize(w, types[shard], torch.bfloat16), shard, shard)
-    assert layer.int4 is None
-    expected = torch.cat([reference(types[s], w) for s, w in ws.items()]).bfloat16()
-    assert torch.equal(layer.weight, expected)
-    assert describe_quantized_layers(layer) is not None
+        layer.load_tensor("weight", quantize(w, types[shard], torch.bfloat16), shard, shard)
+    assert kinds(layer) == ["int4", "dense"]
+    assert [(seg.offset, seg.rows) for seg in layer.method.segments] == [(0, 96), (96, 32)]
+    assert torch.equal(layer.method.segments[1].weight, reference("Q5_0", ws["v"]).bfloat16())
+    x = torch.randn(3, 2 * BLOCK).bfloat16()
+    exact = x.float() @ torch.cat([reference(types[s], w) for s, w in ws.items()]).t()
+    assert rel_err(layer(x), exact) < 1e-2
+    assert describe_quantized_layers(layer) == (
+        "quantized linear weights: 1 Q4_1+Q5_0 layer(s) run 4-bit (CPU int4 matmul, "
+        "bfloat16) and dequantized to bfloat16")
 
 
-def test_a_shard_after_packing_is_refused():
+def test_a_shard_loaded_twice_is_refused():
     layer = qkv_layer(torch.bfloat16)
-    param = layer.weight
-    assert param is not None
     for shard, n in (("q", 64), ("k", 32), ("v", 32)):
-        layer.weight_loader(param, quantize(weights(n, 64, 0), "Q4_0", torch.bfloat16),
-                            shard, shard)
-    with pytest.raises(ValueError, match="k_proj.weight: loaded twice.*4-bit"):
-        layer.weight_loader(param, quantize(weights(32, 64, 0), "Q4_0", torch.bfloat16),
-                            "k", "model.k_proj.weight")
+        layer.load_tensor("weight", quantize(weights(n, 64, 0), "Q4_0", torch.bfloat16),
+                          shard, shard)
+    with pytest.raises(ValueError, match="k_proj.weight: loaded twice"):
+        layer.load_tensor("weight", quantize(weights(32, 64, 0), "Q4_0", torch.bfloat16),
+                          "k", "model.k_proj.weight")
 
 
 def test_shape_mismatch_is_refused_by_name():
-    layer = Linear(64, 32).to(torch.bfloat16)
+    layer = gguf_linear(64, 32)
     with pytest.raises(ValueError, match=r"weight o_proj\.weight: checkpoint shape \(16, 64\)"):
         layer.load_weight(quantize(weights(16, 64, 0), "Q4_1", torch.bfloat16),
                           "o_proj.weight")
 
 
 def test_bad_blocks_are_refused():
-    with pytest.raises(ValueError, match="'Q5_K'"):
-        QuantizedTensor("Q5_K", (4, 32), torch.zeros(4, 18, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="'Q1_0'"):
+        QuantizedTensor("Q1_0", (4, 32), torch.zeros(4, 18, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="blocks of 256 along its 32 columns"):
+        QuantizedTensor("Q4_K", (4, 32), torch.zeros(4, 18, dtype=torch.uint8))
     with pytest.raises(ValueError, match="blocks of 32 along its 48 columns"):
         QuantizedTensor("Q4_0", (4, 48), torch.zeros(4, 27, dtype=torch.uint8))
     with pytest.raises(ValueError, match=r"must be uint8 \(4, 18\)"):
@@ -215,12 +228,12 @@ def test_bad_blocks_are_refused():
 
 
 def test_the_start_up_line_names_the_path():
-    model = torch.nn.ModuleList([Linear(64, 32), Linear(64, 32), Linear(64, 32)])
+    model = torch.nn.ModuleList([gguf_linear(64, 32), gguf_linear(64, 32), Linear(64, 32)])
     model = model.to(torch.bfloat16)
     model[0].load_weight(quantize(weights(32, 64, 0), "Q4_1", torch.bfloat16))
-    model[1].load_weight(quantize(weights(32, 64, 1), "Q8_0", torch.bfloat16))
+    model[1].load_weight(quantize(weights(32, 64, 1), "Q5_0", torch.bfloat16))
     model[2].load_weight(torch.zeros(32, 64))
     assert describe_quantized_layers(model) == (
         "quantized linear weights: 1 Q4_1 layer(s) run 4-bit (CPU int4 matmul, bfloat16); "
-        "1 Q8_0 layer(s) dequantized to bfloat16")
+        "1 Q5_0 layer(s) dequantized to bfloat16")
     assert describe_quantized_layers(torch.nn.ModuleList([Linear(4, 4)])) is None

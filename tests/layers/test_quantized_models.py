@@ -9,7 +9,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as QType
 
-import vllmpy.layers.linear as linear
+import vllmpy.layers.quantization.gguf as gguf_method
 from vllmpy import LLM, SamplingParams
 from vllmpy.layers.linear import Linear
 
@@ -90,7 +90,8 @@ def test_bfloat16_on_the_cpu_runs_4_bit_and_says_so(tiny_gguf, capfd):
     # qkv, o, gate_up and down of each layer, and the (untied) lm_head
     layers = _linears(llm)
     assert len(layers) == 4 * LAYERS + 1
-    assert all(m.int4 is not None and m.weight is None for m in layers)
+    assert all([seg.kind for seg in m.method.segments] == ["int4"] and
+               not hasattr(m, "weight") for m in layers)
     err = capfd.readouterr().err
     assert (f"vllmpy: quantized linear weights: {4 * LAYERS + 1} Q4_1 layer(s) run 4-bit "
             "(CPU int4 matmul, bfloat16)") in err
@@ -101,7 +102,7 @@ def test_bfloat16_on_the_cpu_runs_4_bit_and_says_so(tiny_gguf, capfd):
 def test_float32_dequantizes_exactly_and_says_so(tiny_gguf, capfd):
     llm = LLM(tiny_gguf, skip_tokenizer_init=True, device="cpu", dtype="float32",
               num_blocks=32)
-    assert all(m.int4 is None and m.weight is not None for m in _linears(llm))
+    assert all({seg.kind for seg in m.method.segments} == {"dense"} for m in _linears(llm))
     assert (f"quantized linear weights: {4 * LAYERS + 1} Q4_1 layer(s) dequantized to "
             "float32") in capfd.readouterr().err
 
@@ -111,12 +112,14 @@ def test_a_tied_q8_0_embedding_gets_a_4_bit_lm_head_for_small_batches(tied_gguf,
               num_blocks=32)
     model = _model(llm)
     head, embedding = model.lm_head, model.model.embed_tokens.weight
-    assert isinstance(head, Linear) and head.int4 is not None
-    assert head.weight is embedding and len(head.int4.passes) == 2
+    assert isinstance(head, Linear)
+    (segment,) = head.method.segments
+    assert head.method.dense_beside is embedding and len(segment.weight.passes) == 2
     assert ("1 Q8_0 layer(s) run 4-bit (CPU int4 matmul, bfloat16) up to "
-            f"{linear.INT4_MAX_TOKENS_BESIDE_DENSE} tokens, dense bfloat16 above"
+            f"{gguf_method.INT4_MAX_TOKENS_BESIDE_DENSE} tokens, dense bfloat16 above"
             in capfd.readouterr().err)
-    small, large = linear.INT4_MAX_TOKENS_BESIDE_DENSE, linear.INT4_MAX_TOKENS_BESIDE_DENSE + 1
+    small = gguf_method.INT4_MAX_TOKENS_BESIDE_DENSE
+    large = small + 1
     for n in (small, large):
         hidden = torch.randn(n, HIDDEN).bfloat16()
         exact = hidden.float() @ embedding.float().t()
@@ -158,7 +161,7 @@ def _logprob_errors(path: str, prompt: str | list[int], monkeypatch,
     exact = _prompt_logprobs(LLM(path, dtype="float32", **kwargs), prompt)
     quant = _prompt_logprobs(LLM(path, dtype="bfloat16", **kwargs), prompt)
     with monkeypatch.context() as m:
-        m.setattr(linear, "int4_supported", lambda *args, **kwargs: False)
+        m.setattr(gguf_method, "_segment_kind", lambda *args: "dense")
         dense = _prompt_logprobs(LLM(path, dtype="bfloat16", **kwargs), prompt)
     return (quant - exact).abs().mean().item(), (dense - exact).abs().mean().item()
 
@@ -228,7 +231,7 @@ def test_smollm2_4_bit_greedy_agrees_with_dequantized_bfloat16(smollm2, monkeypa
     is that fragile here: the dequantized bfloat16 path keeps 5 of 12 whole continuations
     of float32."""
     quant = _greedy_with_margins(LLM(smollm2, device="cpu", dtype="bfloat16", num_blocks=64))
-    monkeypatch.setattr(linear, "int4_supported", lambda *args, **kwargs: False)
+    monkeypatch.setattr(gguf_method, "_segment_kind", lambda *args: "dense")
     dense = _greedy_with_margins(LLM(smollm2, device="cpu", dtype="bfloat16", num_blocks=64))
     same = 0
     for (q_ids, _), (d_ids, d_margins) in zip(quant, dense):

@@ -8,7 +8,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as QType
 
-from vllmpy.layers.quantized import QuantizedTensor
+from vllmpy.layers.quantization.gguf import QuantizedTensor
 from vllmpy.loader.gguf_loader import (
     GGUFLoadError,
     iter_gguf_weights,
@@ -271,9 +271,9 @@ def test_quantized_and_half_types_dequantize_in_hf_shape(tmp_path):
         assert err < tolerance.get(module, 0.01), (name, err)
 
 
-def test_q4_and_q8_matrices_come_quantized_and_unpermuted(tmp_path):
-    """Q4_0 / Q4_1 / Q8_0 matrices come as QuantizedTensor (blocks kept, llama q/k rows
-    put back in HF order); other quantized types come dequantized as before."""
+def test_quantized_matrices_come_in_blocks_and_unpermuted(tmp_path):
+    """Block-quantized matrices of every type come as QuantizedTensor (blocks kept, llama
+    q/k rows put back in HF order)."""
     rng = np.random.default_rng(5)
     q = rng.standard_normal((HEADS * HEAD_DIM, 64)).astype(np.float32)
     k = rng.standard_normal((KV_HEADS * HEAD_DIM, 64)).astype(np.float32)
@@ -292,7 +292,7 @@ def test_q4_and_q8_matrices_come_quantized_and_unpermuted(tmp_path):
                 "mlp.gate_proj": (w, QType.Q4_0), "mlp.up_proj": (w, QType.Q5_0)}
     for module, (array, qtype) in expected.items():
         tensor = loaded[f"model.layers.0.{module}.weight"]
-        assert isinstance(tensor, QuantizedTensor) == (qtype != QType.Q5_0), module
+        assert isinstance(tensor, QuantizedTensor), module  # every block type
         assert tensor.dtype == torch.bfloat16 and tuple(tensor.shape) == array.shape
         # quantizing works row by row, so it commutes with the row permutation
         dense = gguf.quants.dequantize(gguf.quants.quantize(array, qtype), qtype)

@@ -233,6 +233,7 @@ def build_engine_config(args: EngineArgs, source: ModelSource | None = None) -> 
 
     text = text_config(source.hf_config)  # the architecture's own converter
     dtype = resolve_torch_dtype(source.hf_config, args.dtype, device)
+    quant = _quantization(args, source, device, dtype)
     kv_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, dtype, source)
     _check_kv_dtype_on_device(kv_dtype, device)
     per_block = _bytes_per_block(text, args.block_size, kv_dtype)
@@ -268,6 +269,7 @@ def build_engine_config(args: EngineArgs, source: ModelSource | None = None) -> 
         tokenizer_config=args.tokenizer_config,
         seed=args.seed,
         max_logprobs=args.max_logprobs,
+        quantization=quant,
     )
     budget = args.max_num_batched_tokens or (
         DEFAULT_MAX_NUM_BATCHED_TOKENS_CUDA if device == "cuda"
@@ -279,6 +281,22 @@ def build_engine_config(args: EngineArgs, source: ModelSource | None = None) -> 
                         async_scheduling=(device == "cuda" if args.async_scheduling is None
                                           else bool(args.async_scheduling)),
                         enable_jump_forward=args.enable_jump_forward)
+
+
+def _quantization(args: EngineArgs, source: ModelSource, device: str, dtype: torch.dtype):
+    """The checkpoint's weight quantization, checked against ``--quantization`` and the
+    device, before any weight is read."""
+    from vllmpy.layers.quantization import QuantizationError, quantization_config
+
+    model_dir = source.path if source.kind in ("hf_dir", "dummy") else None
+    try:
+        quant = quantization_config(source.kind, source.hf_config, model_dir,
+                                    args.quantization)
+        if quant is not None:
+            quant.check_device(torch.device(device), dtype)
+    except QuantizationError as e:
+        raise ConfigError(str(e)) from None
+    return quant
 
 
 def _check_scheduling_policy(args: EngineArgs) -> None:

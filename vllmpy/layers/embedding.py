@@ -9,10 +9,13 @@ the final transforms some families apply to the logits (a scale, a soft cap).
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
-from vllmpy.layers.linear import Linear
+from vllmpy.layers.linear import Linear, default_weight_loader
+from vllmpy.layers.quantization.dense import DenseMethod
 
 
 class VocabEmbedding(nn.Embedding):
@@ -23,9 +26,38 @@ class VocabEmbedding(nn.Embedding):
                          _weight=torch.empty(vocab_size, hidden_size))
         self.weight.requires_grad_(False)
         self.scale = scale
+        # On CUDA a GGUF embedding stays in its blocks (``vllmpy.ops.gguf_quants``): the rows
+        # of a step are gathered and dequantized, and a tied head runs on the same blocks.
+        self.quantized: Any = None
+
+    def load_tensor(self, suffix: str, loaded: torch.Tensor, shard_id: Any = None,
+                    name: str = "") -> None:
+        """The checkpoint's table: block-quantized ones are kept in their blocks where a
+        kernel takes them (CUDA), dense otherwise."""
+        weight = self.weight
+        qtype = getattr(loaded, "quant_type", None)
+        if qtype is not None and weight.device.type == "cuda":
+            from vllmpy.ops.gguf_quants import BLOCK_SIZES, prepare
+
+            if qtype in BLOCK_SIZES:
+                if tuple(loaded.shape) != tuple(weight.shape):
+                    raise ValueError(f"weight {name}: checkpoint shape {tuple(loaded.shape)} "
+                                     f"does not match the model's {tuple(weight.shape)}")
+                self.dtype = weight.dtype
+                self.quantized = prepare(loaded.blocks.to(weight.device), qtype,
+                                         *weight.shape)
+                del self.weight  # the dense table is not needed
+                self.register_parameter("weight", None)
+                return
+        default_weight_loader(weight, loaded, name)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        x = super().forward(input_ids)  # [num_tokens, hidden_size]
+        if self.quantized is not None:
+            from vllmpy.ops.gguf_quants import embedding
+
+            x = embedding(input_ids, self.quantized, self.dtype)
+        else:
+            x = super().forward(input_ids)  # [num_tokens, hidden_size]
         if self.scale is not None:
             # the scale rounded to the model's dtype first, as Hugging Face does; a Python
             # number, so that no host-to-device copy stands in a CUDA graph
@@ -39,12 +71,16 @@ def head_logits(lm_head: Linear | None, embed_tokens: nn.Embedding,
     """A causal LM's logits: ``lm_head``, or the tied embedding when it is None, into
     ``out`` when given; then times ``scale`` and soft-capped to ``softcap * tanh(x /
     softcap)`` when those are set."""
-    if lm_head is not None and lm_head.int4 is not None:
-        logits = lm_head(hidden_states)  # a 4-bit head (see layers.linear)
+    quantized = getattr(embed_tokens, "quantized", None)
+    if lm_head is None and quantized is not None:  # a tied head on the embedding's blocks
+        from vllmpy.ops.gguf_gemm import gguf_linear
+
+        logits = gguf_linear(hidden_states, quantized, out=out)
+    elif lm_head is not None and not isinstance(lm_head.method, DenseMethod):
+        logits = lm_head(hidden_states)  # the head's quantization method
         logits = logits if out is None else out.copy_(logits)
     else:
         weight = embed_tokens.weight if lm_head is None else lm_head.weight
-        assert weight is not None  # a head without a 4-bit copy keeps its dense weight
         if out is not None:
             logits = torch.mm(hidden_states, weight.t(), out=out)
         else:

@@ -7,7 +7,7 @@ This module turns both into what the rest of the engine already understands:
 * ``open_gguf(path)`` reads the metadata and builds a config.json-shaped dict;
 * ``iter_gguf_weights(ckpt, dtype)`` yields ``(hf_name, tensor)`` pairs, each tensor
   dequantized to ``dtype`` in the Hugging Face layout ``[out_features, in_features]``
-  (for Q4_0 / Q4_1 / Q8_0 matrices, a ``QuantizedTensor`` that stands for it).
+  (for a block-quantized matrix, a ``QuantizedTensor`` that stands for it).
 
 Everything the loader does not understand (architecture, tensor type, tensor name,
 metadata it cannot express) is refused with a ``GGUFLoadError`` that names the thing,
@@ -27,7 +27,7 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType as QType
 
-from vllmpy.layers.quantized import QUANT_TYPES, QuantizedTensor
+from vllmpy.layers.quantization.gguf import QUANT_TYPES, QuantizedTensor
 from vllmpy.loader.gguf_arch import GGUFArch
 from vllmpy.loader.gguf_file import GGUFFile, open_gguf_file
 from vllmpy.models.registry import gguf_architectures, gguf_module
@@ -38,14 +38,13 @@ class GGUFLoadError(ValueError):
 
 
 
-# Tensor types we load. Matrices of the types in layers.quantized.QUANT_TYPES stay
-# quantized (QuantizedTensor); the rest is dequantized through gguf.quants.dequantize. The
-# k-quants without a real file in the tests (Q2_K, Q3_K, Q5_K) and Q5_1 go through the same
-# numpy code path.
+# Tensor types we load. Matrices of the block types in quantization.gguf.QUANT_TYPES come
+# as QuantizedTensor (the layer's method keeps them in blocks or dequantizes them); the
+# rest (and every 1-D tensor) is dequantized here through gguf.quants.dequantize.
 SUPPORTED_TYPES: frozenset[QType] = frozenset({
     QType.F32, QType.F16, QType.BF16,
     QType.Q4_0, QType.Q4_1, QType.Q5_0, QType.Q5_1, QType.Q8_0,
-    QType.Q2_K, QType.Q3_K, QType.Q4_K, QType.Q5_K, QType.Q6_K,
+    QType.Q2_K, QType.Q3_K, QType.Q4_K, QType.Q5_K, QType.Q6_K, QType.IQ4_NL, QType.IQ4_XS,
 })
 
 # Names outside the transformer blocks.
@@ -355,7 +354,7 @@ def iter_gguf_weights(
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(hf_name, tensor)`` for every weight, dequantized to ``dtype`` in HF layout.
 
-    A 2-D Q4_0, Q4_1 or Q8_0 weight comes as a ``QuantizedTensor``: it behaves as the
+    A 2-D block-quantized weight comes as a ``QuantizedTensor``: it behaves as the
     dequantized tensor, and a layer that can run it quantized reads its blocks instead.
     All names and types are checked before the first tensor is yielded. For ``llama``,
     llama.cpp's rotary row interleaving of attn_q / attn_k (weights and biases) is undone.

@@ -10,16 +10,21 @@ def materialize(model: nn.Module, device: torch.device, dtype: torch.dtype) -> N
     """Give every parameter and buffer of a model built on the meta device uninitialised
     storage on ``device``, the floating ones in ``dtype`` (what ``.to_empty(device=...)
     .to(dtype)`` gives, without a float32 copy on the device, and without to_empty's
-    per-tensor cost of several ms on a meta tensor). Tied tensors stay tied."""
+    per-tensor cost of several ms on a meta tensor). Tied tensors stay tied. A parameter
+    tagged ``keep_dtype`` (a quantization method's fp8 weight or fp32 scale) keeps its
+    dtype, and every parameter keeps its tags."""
     # id of a meta tensor -> (the meta tensor, kept alive so its id stays its own; its
     # replacement)
     made: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def replace(t: torch.Tensor, param: bool) -> torch.Tensor:
         if id(t) not in made:
-            new = torch.empty(t.shape, device=device,
-                              dtype=dtype if t.is_floating_point() else t.dtype)
-            made[id(t)] = (t, nn.Parameter(new, requires_grad=t.requires_grad) if param else new)
+            keep = not t.is_floating_point() or getattr(t, "keep_dtype", False)
+            new = torch.empty(t.shape, device=device, dtype=t.dtype if keep else dtype)
+            if param:
+                new = nn.Parameter(new, requires_grad=t.requires_grad)
+                new.__dict__.update(t.__dict__)  # a quantization method's shard tags
+            made[id(t)] = (t, new)
         return made[id(t)][1]
 
     for module in model.modules():

@@ -25,7 +25,7 @@ from vllmpy.layers.embedding import VocabEmbedding, head_logits
 from vllmpy.layers.linear import Linear
 from vllmpy.layers.mlp import PlainMLP
 from vllmpy.layers.norm import LayerNorm
-from vllmpy.layers.quantized import QuantizedTensor
+from vllmpy.layers.quantization.gguf import QuantizedTensor
 from vllmpy.loader.gguf_arch import GGUFArch, GGUFMetadata
 from vllmpy.models.config_reader import ConfigReader
 from vllmpy.models.weights import load_packed_weights

@@ -37,16 +37,21 @@ def load_packed_weights(
     packed_modules: dict[str, tuple[str, str | int]],
     skip_suffixes: tuple[str, ...] = (),
 ) -> set[str]:
-    """Copy each checkpoint tensor into its parameter.
+    """Copy each checkpoint tensor into its layer.
 
     ``packed_modules`` maps a checkpoint module name (``q_proj``) to the packed module
-    that holds it (``qkv_proj``) and the shard id inside it. A checkpoint name with no
-    matching parameter is refused by name; so is a parameter the checkpoint never filled.
+    that holds it (``qkv_proj``) and the shard id inside it. A linear layer (and an
+    embedding) takes its tensors through ``load_tensor``, which hands them to its
+    quantization method (``weight``, ``weight_scale``, ``qweight``...). A checkpoint name
+    with no matching layer or parameter is refused by name; so is a parameter, or a linear
+    layer's tensor, the checkpoint never filled.
     """
-    params = dict(model.named_parameters())
     modules = dict(model.named_modules())
+    params = dict(model.named_parameters())
+    linears = {n: m for n, m in modules.items() if isinstance(m, Linear)}
+    linear_params = {f"{n}.{p}" for n, m in linears.items()
+                     for p, _ in m.named_parameters(recurse=False)}
     loaded: set[str] = set()
-    filled_shards: dict[str, set[str | int]] = {}
     for name, tensor in weights:
         if name.endswith(skip_suffixes):
             continue
@@ -57,23 +62,21 @@ def load_packed_weights(
                 packed, shard_id = packed_modules[part]
                 target = ".".join(parts[:i] + [packed] + parts[i + 1:])
                 break
-        if target not in params:
+        owner, _, suffix = target.rpartition(".")
+        module = modules.get(owner)
+        if shard_id is not None and not isinstance(module, PackedLinear):
             raise WeightLoadError(f"checkpoint tensor {name!r} has no matching model parameter")
-        param = params[target]
-        module = modules[target.rpartition(".")[0]]
-        if shard_id is None:
-            if isinstance(module, Linear) and param is module.weight:
-                module.load_weight(tensor, name)  # may keep a quantized weight quantized
-            else:
-                default_weight_loader(param, tensor, name)
+        if isinstance(module, Linear) or (hasattr(module, "load_tensor")
+                                          and target in params):
+            module.load_tensor(suffix, tensor, shard_id, name)  # type: ignore[union-attr]
             loaded.add(target)
             continue
-        assert isinstance(module, PackedLinear)
-        module.weight_loader(param, tensor, shard_id, name)
-        filled_shards.setdefault(target, set()).add(shard_id)
-        if filled_shards[target] == set(module.shard_offsets):
-            loaded.add(target)
-    missing = sorted(set(params) - loaded)
+        if target not in params:
+            raise WeightLoadError(f"checkpoint tensor {name!r} has no matching model parameter")
+        default_weight_loader(params[target], tensor, name)
+        loaded.add(target)
+    missing = sorted(n for n in set(params) - loaded - linear_params)
+    missing += [f"{n}.{m}" for n, layer in linears.items() for m in layer.missing()]
     if missing:
         raise WeightLoadError(
             f"checkpoint is missing {len(missing)} tensor(s) the model needs, e.g. {missing[:5]}")

@@ -17,6 +17,8 @@ from vllmpy.core.sched_output import (
 )
 from vllmpy.layers.attention import Attention
 from vllmpy.layers.custom_op import bind_ops
+from vllmpy.layers.linear import Linear, describe_quantized_layers
+from vllmpy.layers.quantization import quantize_model
 from vllmpy.loader.load_stats import LoadStats
 from vllmpy.loader.materialize import materialize
 from vllmpy.loader.source import ModelSource, iter_checkpoint_weights
@@ -110,6 +112,7 @@ class ModelRunner(StartupMixin):
             model_cls = resolve_model_class(mc.text_config.architectures)
             with torch.device("meta"):
                 model = model_cls(mc.text_config)
+                quantize_model(model, mc.quantization)  # each linear layer's method
             materialize(model, self.device, mc.dtype)
             bind_ops(model, self.device)  # native or device kernels, chosen once
         with stats.phase("weights"):
@@ -125,14 +128,26 @@ class ModelRunner(StartupMixin):
             self.compile_kernels()
 
     def _load_dummy(self, model: nn.Module) -> None:
+        """Random weights: a linear layer's come dense and its quantization method
+        quantizes them (so a quantized config runs its real kernels)."""
         from vllmpy.loader.dummy import dummy_weights
 
-        params = dict(model.named_parameters())
+        seed = self.config.model.seed
+        linears = {name: m for name, m in model.named_modules() if isinstance(m, Linear)}
+        owned = {f"{n}.{p}" for n, m in linears.items() for p in m.method_params}
+        params = {n: p for n, p in model.named_parameters() if n not in owned}
         shapes = {name: (p.shape, p.dtype) for name, p in params.items()}
         with torch.no_grad():
-            for name, tensor in dummy_weights(shapes, seed=self.config.model.seed,
-                                              device=self.device):
+            for name, tensor in dummy_weights(shapes, seed=seed, device=self.device):
                 params[name].copy_(tensor)
+            for name, layer in linears.items():
+                shape = {f"{name}.weight": ((layer.output_size, layer.input_size),
+                                            self.config.model.dtype)}
+                for _, weight in dummy_weights(shape, seed=seed, device=self.device):
+                    layer.method.load_dense(layer, weight)
+                layer.method.finish(layer)
+        if (line := describe_quantized_layers(model)) is not None:
+            log(line)
 
     def initialize_kv_cache(self) -> None:
         """Allocate the paged pool and bind one cache tensor to every attention layer."""

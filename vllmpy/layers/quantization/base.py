@@ -1,0 +1,192 @@
+"""The quantization seam: how a linear layer holds its weight and multiplies by it.
+
+A ``QuantizationConfig`` is read once from the checkpoint (config.json's
+``quantization_config``, ``hf_quant_config.json``, or a GGUF file's tensor types) and gives
+every ``Linear`` of the model its ``LinearMethod`` by the layer's name, before the model's
+storage is allocated. The method then owns the layer's weight from end to end:
+
+* ``create_weights(layer)``: register the parameters the checkpoint fills (a dense
+  ``weight``; or ``weight`` + ``weight_scale``; or ``qweight`` / ``qzeros`` / ``scales``),
+  each tagged with how a shard of a packed layer lands in it (``shard_view``);
+* ``load(layer, suffix, tensor, shard_id, name)``: take one checkpoint tensor;
+* ``finish(layer)``: after the layer's last tensor, repack for the kernels;
+* ``bind(layer, device)``: choose the kernels, once;
+* ``apply(layer, x)``: ``x @ W^T + b``.
+
+A new format is one file with a config and a method, and one line in
+``vllmpy.layers.quantization.registry``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+if TYPE_CHECKING:
+    from vllmpy.layers.linear import Linear
+
+
+class QuantizationError(ValueError):
+    """A checkpoint's quantization this engine refuses: the key and value are named."""
+
+
+# the checkpoint modules a packed layer of the shared blocks stands for (``SelfAttention``,
+# ``GatedMLP``): an ignore list names these, not the packed layer
+PACKED_CHECKPOINT_MODULES: dict[str, tuple[str, ...]] = {
+    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+    "gate_up_proj": ("gate_proj", "up_proj"),
+}
+
+
+def checkpoint_module_names(layer_name: str) -> list[str]:
+    """The checkpoint's module names behind ``layer_name`` (one, or a packed layer's)."""
+    prefix, _, last = layer_name.rpartition(".")
+    parts = PACKED_CHECKPOINT_MODULES.get(last)
+    if parts is None:
+        return [layer_name]
+    return [f"{prefix}.{p}" if prefix else p for p in parts]
+
+
+def tag(param: nn.Parameter, *, output_dim: int | None = 0, pack: int = 1,
+        per_shard: bool = False) -> nn.Parameter:
+    """Say how a shard of a packed layer lands in ``param``: rows ``offset / pack`` to
+    ``(offset + size) / pack`` along ``output_dim`` (``pack`` output rows per element: 8
+    for an int32 of eight 4-bit codes, 128 for a grid of 128-row block scales), or, with
+    ``per_shard``, element ``i`` of a per-shard vector (a per-tensor scale of each shard),
+    or the whole tensor when ``output_dim`` is None."""
+    param.output_dim = output_dim  # type: ignore[attr-defined]
+    param.pack = pack  # type: ignore[attr-defined]
+    param.per_shard = per_shard  # type: ignore[attr-defined]
+    return param
+
+
+def new_param(layer: Linear, name: str, shape: tuple[int, ...], dtype: torch.dtype, *,
+              output_dim: int | None = 0, pack: int = 1, per_shard: bool = False,
+              keep_dtype: bool = True) -> nn.Parameter:
+    """Register an uninitialised parameter ``name`` of the method on ``layer``.
+
+    ``keep_dtype``: materialization leaves its dtype alone (fp8 weights, fp32 scales,
+    int32 codes); without it a floating parameter takes the model's dtype."""
+    p = nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
+    p.keep_dtype = keep_dtype  # type: ignore[attr-defined]
+    tag(p, output_dim=output_dim, pack=pack, per_shard=per_shard)
+    layer.register_parameter(name, p)
+    layer.method_params.append(name)
+    return p
+
+
+def shard_view(layer: Linear, param: torch.Tensor, shard_id: Any, name: str) -> torch.Tensor:
+    """The part of ``param`` that shard ``shard_id`` of a packed layer fills (all of it for
+    an unpacked layer, or a parameter that every shard shares)."""
+    if shard_id is None:
+        return param
+    if getattr(param, "per_shard", False):
+        return param[layer.shard_index(shard_id)]
+    dim = getattr(param, "output_dim", 0)
+    if dim is None:
+        return param
+    offset, size = layer.shard_offsets[shard_id]
+    pack = getattr(param, "pack", 1)
+    if offset % pack or (size % pack and offset + size != layer.output_size):
+        raise QuantizationError(
+            f"weight {name}: shard {shard_id!r} (rows {offset}..{offset + size}) does not "
+            f"align with the checkpoint's {pack}-row groups")
+    start = offset // pack
+    return param.narrow(dim, start, -(-(offset + size) // pack) - start)
+
+
+def copy_checked(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
+    """``dst.copy_(src)`` after checking the shapes agree (a scalar may fill a [1])."""
+    if tuple(dst.shape) != tuple(src.shape) and not (dst.numel() == src.numel() == 1):
+        raise ValueError(f"weight {name}: checkpoint shape {tuple(src.shape)} does not match "
+                         f"the model's {tuple(dst.shape)}")
+    with torch.no_grad():
+        dst.copy_(src.reshape(dst.shape))
+
+
+class LinearMethod:
+    """Weight creation, loading and the matmul of one linear layer (one per layer)."""
+
+    # the format's name in the start-up line, e.g. "fp8 block 128x128"
+    name = "dense"
+
+    def create_weights(self, layer: Linear) -> None:
+        raise NotImplementedError
+
+    def checkpoint_names(self, layer: Linear) -> tuple[str, ...]:
+        """The tensor suffixes each shard of the layer must receive (``weight``, ...)."""
+        return tuple(layer.method_params)
+
+    def optional_names(self, layer: Linear) -> tuple[str, ...]:
+        """Suffixes the checkpoint may carry or leave out (GPTQ's ``g_idx``)."""
+        return ()
+
+    def load(self, layer: Linear, suffix: str, loaded: torch.Tensor, shard_id: Any,
+             name: str) -> None:
+        """Copy one checkpoint tensor into its parameter (its shard of it)."""
+        param = getattr(layer, suffix)
+        copy_checked(shard_view(layer, param, shard_id, name), loaded, name)
+
+    def load_dense(self, layer: Linear, weight: torch.Tensor) -> None:
+        """Take a dense [out, in] weight (random weights, quantization at load); methods
+        that cannot quantize refuse."""
+        raise QuantizationError(f"the {self.name} method cannot quantize a dense weight")
+
+    def finish(self, layer: Linear) -> None:
+        """Every tensor of the layer is in: repack, fold scales."""
+
+    def bind(self, layer: Linear, device: torch.device) -> None:
+        """Choose this device's kernels (after materialization, before loading)."""
+
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def describe(self, layer: Linear) -> str | None:
+        """How the layer runs, for the start-up line; None for an unquantized layer."""
+        return None
+
+
+class QuantizationConfig:
+    """A checkpoint's quantization: the method of each linear layer."""
+
+    name = "none"
+
+    def linear_method(self, layer_name: str, layer: Linear) -> LinearMethod:
+        raise NotImplementedError
+
+    def check_device(self, device: torch.device, dtype: torch.dtype) -> None:
+        """Refuse (by name) a device or activation dtype the format cannot run on."""
+
+    def skip_checkpoint_tensor(self, name: str) -> bool:
+        """Checkpoint tensors the format carries that no layer takes (none by default)."""
+        return False
+
+
+def ignored(layer_name: str, patterns: list[str] | None) -> bool:
+    """Whether a layer is left unquantized by an ignore list of module names (exact, a
+    dotted suffix, or ``re:<regex>`` as compressed-tensors writes it). A packed layer
+    counts as ignored if all its checkpoint modules are, and is refused if only some are."""
+    if not patterns:
+        return False
+    import re
+
+    def hit(module: str) -> bool:
+        for p in patterns:
+            if p.startswith("re:"):
+                if re.fullmatch(p[3:], module) or re.search(p[3:], module):
+                    return True
+            elif module == p or module.endswith("." + p) or module.startswith(p + "."):
+                return True
+        return False
+
+    hits = [hit(m) for m in checkpoint_module_names(layer_name)]
+    if all(hits):
+        return True
+    if any(hits):
+        raise QuantizationError(
+            f"layer {layer_name}: the checkpoint leaves some of its parts unquantized and "
+            f"quantizes others ({checkpoint_module_names(layer_name)}); a packed layer "
+            "takes one format")
+    return False

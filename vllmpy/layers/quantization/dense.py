@@ -1,0 +1,63 @@
+"""The unquantized method: a dense weight in the model's dtype.
+
+On CUDA a one-row product (a batch-1 decode) streams the weight through
+``vllmpy.ops.skinny_gemm``, where it beats cuBLAS on a decoder's matrices; everything else
+is ``F.linear``. A checkpoint tensor that arrives quantized (a GGUF shard this device keeps
+no kernel for) is dequantized into the weight.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn.functional as F
+
+from vllmpy.layers.quantization.base import LinearMethod, copy_checked, new_param, shard_view
+
+if TYPE_CHECKING:
+    from vllmpy.layers.linear import Linear
+
+# a vocabulary-wide head is faster through cuBLAS than through the streaming kernel
+SKINNY_MAX_OUTPUT = 32768
+
+
+class DenseMethod(LinearMethod):
+    name = "dense"
+
+    def __init__(self) -> None:
+        self.skinny: Any = None  # vllmpy.ops.skinny_gemm, bound on CUDA
+
+    def create_weights(self, layer: Linear) -> None:
+        new_param(layer, "weight", (layer.output_size, layer.input_size), torch.float32,
+                  keep_dtype=False)
+
+    def load(self, layer: Linear, suffix: str, loaded: torch.Tensor, shard_id: Any,
+             name: str) -> None:
+        dst = shard_view(layer, layer.weight, shard_id, name)
+        dense = getattr(loaded, "dense", None)
+        if dense is not None:  # a block-quantized tensor, dequantized exactly as gguf-py
+            if tuple(loaded.shape) != tuple(dst.shape):
+                copy_checked(dst, loaded, name)  # names the mismatch
+            loaded = dense(dst.dtype)
+        copy_checked(dst, loaded, name)
+
+    def load_dense(self, layer: Linear, weight: torch.Tensor) -> None:
+        copy_checked(layer.weight, weight, "weight")
+
+    def bind(self, layer: Linear, device: torch.device) -> None:
+        if device.type == "cuda" and layer.output_size <= SKINNY_MAX_OUTPUT:
+            from vllmpy.ops import skinny_gemm
+
+            self.skinny = skinny_gemm
+
+    def streams_one_row(self, x: torch.Tensor) -> bool:
+        """Whether ``x`` goes through the weight-streaming kernel: one contiguous row on
+        CUDA, a matrix narrower than a vocabulary."""
+        return (self.skinny is not None and x.dim() == 2 and x.shape[0] == 1
+                and x.stride(1) == 1)
+
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        if self.streams_one_row(x):
+            return self.skinny.skinny_gemm(x, layer.weight, layer.bias)
+        return F.linear(x, layer.weight, layer.bias)
