@@ -293,7 +293,7 @@ def _quantization(args: EngineArgs, source: ModelSource, device: str, dtype: tor
         quant = quantization_config(source.kind, source.hf_config, model_dir,
                                     args.quantization)
         if quant is not None:
-            quant.check_device(torch.device(device), dtype)
+            quant.bind_target(torch.device(device), dtype)
     except QuantizationError as e:
         raise ConfigError(str(e)) from None
     return quant

@@ -37,9 +37,10 @@ class VocabEmbedding(nn.Embedding):
         weight = self.weight
         qtype = getattr(loaded, "quant_type", None)
         if qtype is not None and weight.device.type == "cuda":
-            from vllmpy.ops.gguf_quants import BLOCK_SIZES, prepare
+            from vllmpy.layers.quantization.gguf import cuda_types
+            from vllmpy.ops.gguf_quants import prepare
 
-            if qtype in BLOCK_SIZES:
+            if qtype in cuda_types():
                 if tuple(loaded.shape) != tuple(weight.shape):
                     raise ValueError(f"weight {name}: checkpoint shape {tuple(loaded.shape)} "
                                      f"does not match the model's {tuple(weight.shape)}")
@@ -73,9 +74,10 @@ def head_logits(lm_head: Linear | None, embed_tokens: nn.Embedding,
     softcap)`` when those are set."""
     quantized = getattr(embed_tokens, "quantized", None)
     if lm_head is None and quantized is not None:  # a tied head on the embedding's blocks
-        from vllmpy.ops.gguf_gemm import gguf_linear
+        from vllmpy.layers.quantization.gguf import Segment
 
-        logits = gguf_linear(hidden_states, quantized, out=out)
+        logits = Segment(0, quantized.rows, "gguf", quantized.quant_type, quantized).run(
+            hidden_states, out)
     elif lm_head is not None and not isinstance(lm_head.method, DenseMethod):
         logits = lm_head(hidden_states)  # the head's quantization method
         logits = logits if out is None else out.copy_(logits)

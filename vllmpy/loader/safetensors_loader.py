@@ -21,12 +21,26 @@ from safetensors import safe_open
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 
-# safetensors header dtype codes this loader accepts, with the torch dtype they hold.
-SUPPORTED_DTYPES: dict[str, torch.dtype] = {
+# safetensors header dtype codes this loader accepts, with the torch dtype they hold. The
+# floating ones are cast to the model's dtype; the others (fp8 weights, packed int4 words,
+# shapes) belong to a quantized checkpoint and come as stored: a layer that is not
+# quantized refuses them (``layers.quantization.base.copy_checked``).
+FLOAT_DTYPES: dict[str, torch.dtype] = {
     "F32": torch.float32,
     "F16": torch.float16,
     "BF16": torch.bfloat16,
 }
+QUANTIZED_DTYPES: dict[str, torch.dtype] = {
+    "F8_E4M3": torch.float8_e4m3fn,
+    "I32": torch.int32,
+    "I64": torch.int64,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+}
+SUPPORTED_DTYPES = {**FLOAT_DTYPES, **QUANTIZED_DTYPES}
+
+
+_CAST = frozenset(FLOAT_DTYPES.values())
 
 
 def safetensors_files(model_dir: str | os.PathLike[str]) -> list[str]:
@@ -102,9 +116,9 @@ def check_safetensors_headers(files: list[str]) -> int:
                 code = f.get_slice(name).get_dtype()
                 if code not in SUPPORTED_DTYPES:
                     raise ValueError(
-                        f"tensor {name!r} in {path} has dtype {code}; only "
-                        f"{', '.join(SUPPORTED_DTYPES)} (float32, float16, bfloat16) "
-                        "checkpoints are supported"
+                        f"tensor {name!r} in {path} has dtype {code}; supported: "
+                        f"{', '.join(FLOAT_DTYPES)} (float32, float16, bfloat16), and in "
+                        f"quantized checkpoints {', '.join(QUANTIZED_DTYPES)}"
                     )
                 if name in seen:
                     raise ValueError(f"tensor {name!r} is in both {seen[name]} and {path}")
@@ -147,5 +161,6 @@ def _read_tensors(files: list[str], dtype: torch.dtype) -> Iterator[tuple[str, t
         with _open(path) as f:
             for name in f.keys():  # noqa: SIM118
                 tensor = f.get_tensor(name)
-                # Headers were checked, so every tensor here is floating point.
-                yield name, tensor.to(dtype)
+                if tensor.dtype in _CAST:
+                    tensor = tensor.to(dtype)
+                yield name, tensor

@@ -27,6 +27,12 @@ __all__ = ["LinearMethod", "QuantizationConfig", "QuantizationError", "METHODS",
 # quant_method -> "module:class" of its QuantizationConfig (``from_checkpoint(dict, where)``)
 METHODS: dict[str, str] = {
     "gguf": "vllmpy.layers.quantization.gguf:GGUFConfig",
+    "fp8": "vllmpy.layers.quantization.fp8:Fp8Config",
+    "compressed-tensors": "vllmpy.layers.quantization.compressed_tensors:"
+                          "CompressedTensorsConfig",
+    "modelopt": "vllmpy.layers.quantization.modelopt:ModelOptConfig",
+    "awq": "vllmpy.layers.quantization.awq:AWQConfig",
+    "gptq": "vllmpy.layers.quantization.gptq:GPTQConfig",
 }
 
 # formats recognised and refused: quant_method -> why

@@ -97,9 +97,22 @@ def shard_view(layer: Linear, param: torch.Tensor, shard_id: Any, name: str) -> 
     return param.narrow(dim, start, -(-(offset + size) // pack) - start)
 
 
+_PLAIN = (torch.float32, torch.float16, torch.bfloat16)
+
+
 def copy_checked(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
-    """``dst.copy_(src)`` after checking the shapes agree (a scalar may fill a [1])."""
-    if tuple(dst.shape) != tuple(src.shape) and not (dst.numel() == src.numel() == 1):
+    """``dst.copy_(src)`` after checking the shapes agree (a scalar may fill a [1]) and
+    that a quantized value (fp8, packed int) goes only where that dtype is kept: copied
+    into a floating parameter without its scales it would be misread."""
+    if src.dtype not in _PLAIN and src.dtype != dst.dtype and \
+            not hasattr(src, "quant_type"):
+        raise QuantizationError(
+            f"weight {name}: the checkpoint stores {src.dtype} here and the model expects "
+            f"{dst.dtype}: a quantized tensor in a layer the checkpoint's quantization "
+            "config does not quantize (is quantization_config missing?)")
+    same = tuple(dst.shape) == tuple(src.shape) or (  # a scalar, or [2] into [1, 2]
+        dst.numel() == src.numel() and dst.squeeze().shape == src.squeeze().shape)
+    if not same:
         raise ValueError(f"weight {name}: checkpoint shape {tuple(src.shape)} does not match "
                          f"the model's {tuple(dst.shape)}")
     with torch.no_grad():
@@ -153,8 +166,16 @@ class QuantizationConfig:
 
     name = "none"
 
+    def __init__(self) -> None:
+        self.model_dtype = torch.bfloat16  # the activations' dtype (``bind_target``)
+
     def linear_method(self, layer_name: str, layer: Linear) -> LinearMethod:
         raise NotImplementedError
+
+    def bind_target(self, device: torch.device, dtype: torch.dtype) -> None:
+        """Where the model runs: refused here (by name) if the format cannot run there."""
+        self.model_dtype = dtype
+        self.check_device(device, dtype)
 
     def check_device(self, device: torch.device, dtype: torch.dtype) -> None:
         """Refuse (by name) a device or activation dtype the format cannot run on."""

@@ -133,7 +133,8 @@ class QuantizedTensor(torch.Tensor):
                                                               dtype or self.dtype)
 
 
-def _cuda_types() -> frozenset[str]:
+def cuda_types() -> frozenset[str]:
+    """The block types the CUDA kernels run in their blocks."""
     from vllmpy.ops.gguf_quants import BLOCK_SIZES
 
     return frozenset(BLOCK_SIZES)
@@ -152,9 +153,14 @@ class Segment:
 
     def run(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         if self.kind == "gguf":
-            from vllmpy.ops.gguf_gemm import gguf_linear
+            from vllmpy.ops.gguf_gemm import GEMV_MAX_M, gguf_linear
 
-            return gguf_linear(x, self.weight, out=out)
+            if x.shape[0] <= GEMV_MAX_M:  # decode rows: the fused dequant-GEMV
+                return gguf_linear(x, self.weight, out=out)
+            # prefill: the blocks dequantized into a transient tile of the whole matrix,
+            # then cuBLAS (the Triton dequant-GEMM does not build on every Triton release)
+            y = F.linear(x, self.weight.dequantize(x.dtype))
+            return y if out is None else out.copy_(y)
         if self.kind == "int4":
             from vllmpy.ops.cpu_int4 import int4_linear
 
@@ -176,7 +182,7 @@ def _segment_kind(quant_type: str | None, rows: int, cols: int, device: torch.de
     if quant_type is None:
         return "dense"
     if device.type == "cuda":
-        return "gguf" if quant_type in _cuda_types() else "dense"
+        return "gguf" if quant_type in cuda_types() else "dense"
     from vllmpy.ops.cpu_int4 import int4_supported
 
     if int4_supported(quant_type, rows, device, dtype):
@@ -294,7 +300,8 @@ class GGUFLinearMethod(LinearMethod):
             if kind not in kinds:
                 continue
             if kind == "gguf":
-                hows.append("kept in GGUF blocks (Triton dequant-GEMV / dequant-GEMM)")
+                hows.append("kept in GGUF blocks (Triton dequant-GEMV; prefill "
+                            "dequantizes a transient copy for cuBLAS)")
             elif kind == "int4":
                 how = f"run 4-bit (CPU int4 matmul, {_dtype_name(self.dtype)})"
                 if self.dense_beside is not None:
