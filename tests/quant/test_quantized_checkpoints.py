@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from quant import oracles
 from safetensors.torch import save_file
 
-from quant import oracles
 from vllmpy import LLM, SamplingParams
 from vllmpy.tools.quantize import quantize_checkpoint
 
