@@ -1,0 +1,194 @@
+"""GPU time of the quantized linear kernels (vllmpy.ops.fp8_gemm, vllmpy.ops.int4_gemm) on
+Qwen3-8B's projection shapes, against bf16 ``F.linear`` on the same shapes.
+
+    python benchmarks/quant_kernels.py            # the table
+    python benchmarks/quant_kernels.py --sweep    # also the one-row fp8 GEMV's launch
+                                                  # configurations, best first
+
+Each case is timed as 20 calls replayed from a CUDA graph. One-row calls cycle through
+copies of the weight that together exceed L2, as a decode step's layers do. GB/s counts
+the bytes of weight (and weight scales) read; TFLOP/s counts 2 * M * N * K. The error is
+the largest difference from the PyTorch reference over at most 256 rows, relative to the
+reference's largest magnitude. The last lines estimate Qwen3-8B's batch-1 decode from the
+one-row times: 36 layers of the four projections plus the lm_head, against reading
+those weights at the copy rate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+
+import torch
+import torch.nn.functional as F
+
+from vllmpy.ops import fp8_gemm
+from vllmpy.ops.fp8_gemm import (
+    FP8_DTYPE,
+    fp8_block_linear,
+    fp8_block_linear_ref,
+    fp8_scaled_linear,
+    fp8_scaled_linear_ref,
+)
+from vllmpy.ops.int4_gemm import int4_linear, int4_linear_ref, pack_int4
+
+SHAPES = {  # name -> (N, K)
+    "qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096),
+    "down": (4096, 12288), "lm_head": (151936, 4096),
+}
+LAYERS = 36
+COPY_RATE = 4.27e12  # the H200's measured HBM copy rate, bytes/s
+L2_CLEAR_BYTES = 256 << 20
+ERROR_ROWS = 256
+
+
+def gpu_us(fn, reps: int = 20) -> float:
+    fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(reps):
+            fn()
+    g.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(3):
+        g.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1e3 / (3 * reps)
+
+
+def copies_of(make, nbytes: int, m: int) -> list:
+    """The weights a case cycles through: enough copies to exceed L2 for one row."""
+    count = max(1, L2_CLEAR_BYTES // nbytes) if m == 1 else 1
+    return [make() for _ in range(count)]
+
+
+def cycling(items: list):
+    turn = itertools.count()
+    return lambda: items[next(turn) % len(items)]
+
+
+def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
+
+
+def fp8_block_weight(n: int, k: int):
+    w = (torch.randn(n, k, device="cuda") * 64).clamp(-448, 448).to(FP8_DTYPE)
+    ws = torch.rand((n + 127) // 128, (k + 127) // 128, device="cuda") * 1e-3 + 1e-4
+    return w, ws
+
+
+def fp8_channel_weight(n: int, k: int):
+    w = (torch.randn(n, k, device="cuda") * 64).clamp(-448, 448).to(FP8_DTYPE)
+    return w, torch.rand(n, 1, device="cuda") * 1e-3 + 1e-4
+
+
+def int4_weight(n: int, k: int):
+    codes = torch.randint(0, 16, (n, k), device="cuda", dtype=torch.uint8)
+    scales = (torch.rand(n, k // 128, device="cuda") * 1e-2).to(torch.bfloat16)
+    zeros = torch.randint(0, 16, (n, k // 128), device="cuda", dtype=torch.uint8)
+    return pack_int4(codes, scales, zeros, 128)
+
+
+def run_case(kind: str, name: str, m: int, rows: list) -> None:
+    n, k = SHAPES[name]
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    xe = x[:ERROR_ROWS]
+    if kind == "bf16":
+        nbytes = 2 * n * k
+        ws = copies_of(lambda: torch.randn(n, k, device="cuda", dtype=torch.bfloat16),
+                       nbytes, m)
+        pick = cycling(ws)
+        us = gpu_us(lambda: F.linear(x, pick()))
+        err = 0.0
+    elif kind in ("fp8 block", "fp8 scaled"):
+        make = fp8_block_weight if kind == "fp8 block" else fp8_channel_weight
+        op = fp8_block_linear if kind == "fp8 block" else fp8_scaled_linear
+        ref = fp8_block_linear_ref if kind == "fp8 block" else fp8_scaled_linear_ref
+        w0, s0 = make(n, k)
+        nbytes = w0.numel() + s0.numel() * 4
+        ws = [(w0, s0)] + copies_of(lambda: make(n, k), nbytes, m)[1:]
+        pick = cycling(ws)
+        us = gpu_us(lambda: op(x, *pick()))
+        err = rel_error(op(xe, w0, s0), ref(xe, w0, s0))
+    else:  # int4
+        w0 = int4_weight(n, k)
+        nbytes = w0.nbytes
+        ws = [w0] + copies_of(lambda: int4_weight(n, k), nbytes, m)[1:]
+        pick = cycling(ws)
+        us = gpu_us(lambda: int4_linear(x, pick()))
+        err = rel_error(int4_linear(xe, w0), int4_linear_ref(xe, w0))
+    gbs = nbytes / us / 1e3
+    tflops = 2 * m * n * k / us / 1e6
+    rows.append((kind, name, m, us, gbs, tflops, err))
+    print(f"{kind:10} {name:8} M={m:<5} {us:9.2f} us {gbs:8.0f} GB/s {tflops:7.1f} TFLOP/s "
+          f"err {err:.1e}", flush=True)
+    del ws
+    torch.cuda.empty_cache()
+
+
+def sweep() -> None:
+    """The one-row block-scaled GEMV on each projection, over launch configurations."""
+    print("\none-row fp8 block GEMV: (rows a program, chunk, warps) -> us per projection")
+    default = fp8_gemm.GEMV_BLOCK_N, fp8_gemm.GEMV_CHUNK, fp8_gemm.GEMV_WARPS
+    results = []
+    for cfg in itertools.product((8, 16, 32), (512, 1024, 2048), (2, 4, 8)):
+        fp8_gemm.GEMV_BLOCK_N, fp8_gemm.GEMV_CHUNK, fp8_gemm.GEMV_WARPS = cfg
+        times = []
+        try:
+            for name in ("qkv", "o", "gate_up", "down"):
+                n, k = SHAPES[name]
+                x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+                ws = copies_of(lambda n=n, k=k: fp8_block_weight(n, k), n * k, 1)
+                pick = cycling(ws)
+                times.append(gpu_us(lambda x=x, pick=pick: fp8_block_linear(x, *pick())))
+        except Exception as exc:  # a configuration the compiler rejects
+            print(f"  {cfg} failed: {type(exc).__name__}")
+            continue
+        results.append((sum(times), cfg, times))
+    fp8_gemm.GEMV_BLOCK_N, fp8_gemm.GEMV_CHUNK, fp8_gemm.GEMV_WARPS = default
+    print(f"  default {default}")
+    for total, cfg, times in sorted(results)[:8]:
+        print(f"  {cfg}: " + " ".join(f"{t:7.2f}" for t in times) + f"  sum {total:7.2f}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sweep", action="store_true",
+                        help="also time the one-row fp8 GEMV's launch configurations")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    cases = [("fp8 block", (1, 256, 8192)), ("fp8 scaled", (1, 256, 8192)),
+             ("int4", (1, 256)), ("bf16", (1, 256, 8192))]
+    rows: list = []
+    for kind, ms in cases:
+        for m in ms:
+            for name in SHAPES:
+                run_case(kind, name, m, rows)
+    if args.sweep:
+        sweep()
+
+    print(f"\n{'kind':10} {'shape':8} {'M':>5} {'us':>9} {'GB/s':>7} {'TFLOP/s':>8} "
+          f"{'vs bf16':>8} {'err':>8}")
+    bf16 = {(name, m): us for kind, name, m, us, *_ in rows if kind == "bf16"}
+    for kind, name, m, us, gbs, tflops, err in rows:
+        speedup = bf16.get((name, m), float("nan")) / us
+        print(f"{kind:10} {name:8} {m:>5} {us:9.2f} {gbs:7.0f} {tflops:8.1f} "
+              f"{speedup:7.2f}x {err:8.1e}")
+    print("\nQwen3-8B batch-1 decode, linear layers only (36 layers + lm_head):")
+    for kind in ("fp8 block", "fp8 scaled", "int4", "bf16"):
+        one = {name: (us, gbs) for k_, name, m, us, gbs, *_ in rows if k_ == kind and m == 1}
+        per_token = sum(one[n][0] for n in ("qkv", "o", "gate_up", "down")) * LAYERS
+        per_token += one["lm_head"][0]
+        nbytes = sum(one[n][0] * one[n][1] * 1e3 for n in ("qkv", "o", "gate_up", "down"))
+        nbytes = nbytes * LAYERS + one["lm_head"][0] * one["lm_head"][1] * 1e3
+        roof = nbytes / COPY_RATE * 1e6
+        print(f"  {kind:10} {per_token:8.0f} us a token, roofline {roof:8.0f} us: "
+              f"{roof / per_token:6.1%}")
+
+
+if __name__ == "__main__":
+    main()
