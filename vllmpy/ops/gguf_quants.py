@@ -41,9 +41,11 @@ differences rounded one at a time, and only then cast to the requested dtype.
 
 ``prepare`` splits the blocks into planes, one tensor per field, each [rows, ...] and
 contiguous, so that a kernel loads aligned runs of one kind of byte (``GGUFWeight``). The
-bytes inside each plane keep GGUF's order, so the planes hold exactly the matrix's GGUF
-bytes (plus a 64-byte lookup table for the IQ4 types and the split-K counters of the
-matmul kernels).
+scales and the low bits of the codes keep GGUF's byte order; the high bits (Q5_0, Q5_1,
+Q3_K, Q5_K, Q6_K) are rearranged so that the high bits of the codes in one 32-bit word of
+``qs`` sit in one unit of ``qh``, at positions that depend only on the code's place in the
+word (see ``_HIGH``). The planes hold exactly as many bytes as the matrix's blocks (plus a
+64-byte lookup table for the IQ4 types and the split-K counters of the matmul kernels).
 """
 
 from __future__ import annotations
@@ -75,8 +77,9 @@ IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 8
 #   d      fp16 [rows, blocks]      the block (super-block) scale
 #   dm     fp16 [rows, blocks]      Q4_1 / Q5_1 m; Q2_K / Q4_K / Q5_K dmin
 #   qs     [rows, blocks * n]       the low bits of the codes (int8 for Q8_0)
-#   qh     [rows, blocks * n]       their high bits (int32 words for Q5_0 / Q5_1; Q3_K's
-#                                   hmask)
+#   qh     [rows, blocks * n]       their high bits as the file has them (the little-endian
+#                                   uint32 of Q5_0 / Q5_1; Q3_K's hmask), rearranged by
+#                                   _pack_high before they are kept
 #   scales [rows, blocks * n]       the sub-block scales (int8 for Q6_K; IQ4_XS: scales_h
 #                                   then scales_l)
 _U8, _I8, _F16, _I32 = torch.uint8, torch.int8, torch.float16, torch.int32
@@ -131,7 +134,8 @@ def _check_geometry(blocks: torch.Tensor, quant_type: str, rows: int | None,
 
 
 def _split_planes(blocks: torch.Tensor, quant_type: str) -> dict[str, torch.Tensor]:
-    """uint8 [rows, row_bytes] -> the type's planes (see ``_PLANES``), each contiguous."""
+    """uint8 [rows, row_bytes] -> the type's planes (see ``_PLANES``; qh rearranged, see
+    ``_HIGH``), each contiguous."""
     block_bytes = BLOCK_SIZES[quant_type][1]
     rows = blocks.shape[0]
     per_row = blocks.view(rows, -1, block_bytes)
@@ -139,6 +143,10 @@ def _split_planes(blocks: torch.Tensor, quant_type: str) -> dict[str, torch.Tens
     for name, (start, end, dtype) in _PLANES[quant_type].items():
         plane = per_row[:, :, start:end].reshape(rows, -1)  # a copy unless one plane
         planes[name] = plane.contiguous().view(dtype)
+    if "qh" in planes:
+        nb = per_row.shape[1]
+        planes["qh"] = _pack_high(quant_type, _raw_high(quant_type, planes["qh"], rows, nb),
+                                  rows, nb)
     return planes
 
 
@@ -153,6 +161,76 @@ def _k_scales(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     sc = torch.cat([low & 63, (top & 15) | ((low >> 6) << 4)], dim=-1)
     mn = torch.cat([mid & 63, (top >> 4) | ((mid >> 6) << 4)], dim=-1)
     return sc, mn
+
+
+# The kept high bits. A 32-bit word of qs holds the low bits of codes at bytes k = 0..3
+# and, within a byte, at part p (the nibble p, or for the 2-bit low parts of Q3_K the
+# crumb p). The high bits of one qs word's codes form one unit of qh, in which the code
+# at (k, p) has its high bits at a fixed place:
+#   Q5_0, Q5_1: uint8 per qs word (4 per block), bit 4 p + k;
+#   Q5_K:       uint8 per qs word (32 per super-block), bit 4 p + k;
+#   Q6_K:       int16 per qs word (32 per super-block), bits 2 (4 p + k) and above;
+#   Q3_K:       int16 per qs word (16 per super-block), bit 4 p + k.
+# (type -> (bits per code, units per block, unit dtype))
+_HIGH: dict[str, tuple[int, int, torch.dtype]] = {
+    "Q5_0": (1, 4, torch.uint8), "Q5_1": (1, 4, torch.uint8), "Q5_K": (1, 32, torch.uint8),
+    "Q6_K": (2, 32, torch.int16), "Q3_K": (1, 16, torch.int16),
+}
+# Each type's code index within a block, as (dims, order): the block's element index
+# factored into ``dims`` (row-major), and the permutation of those dims that puts them in
+# the kept order (qs word, then the (p, k) place within it):
+#   Q5_0, Q5_1: element 16 p + 4 w + k;
+#   Q5_K:       element 64 r + 32 p + 4 w + k (sub-block 2 r + p of qs run r);
+#   Q6_K:       element 128 h + 64 p + 32 t + 16 j + 4 w + k (qs run r = (h, t, j));
+#   Q3_K:       element 128 h + 32 p + 16 j + 4 w + k with p = 2 a + b (qs run (h, j)),
+#               the int16 unit holding (a = 0, then a = 1) in its two bytes.
+_HIGH_ORDER: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {
+    "Q5_0": ((2, 4, 4), (1, 0, 2)),  # (p, w, k) -> (w, p, k)
+    "Q5_1": ((2, 4, 4), (1, 0, 2)),
+    "Q5_K": ((4, 2, 8, 4), (0, 2, 1, 3)),  # (r, p, w, k) -> (r, w, p, k)
+    "Q6_K": ((2, 2, 2, 2, 4, 4), (0, 2, 3, 4, 1, 5)),  # (h, p, t, j, w, k) -> (h, t, j, w, p, k)
+    "Q3_K": ((2, 2, 2, 2, 4, 4), (0, 3, 4, 1, 2, 5)),  # (h, a, b, j, w, k) -> (h, j, w, a, b, k)
+}
+
+
+def _bit_fields(x: torch.Tensor, count: int, width: int) -> torch.Tensor:
+    """x [...] -> [..., count]: the ``width``-bit fields of x, lowest first."""
+    shifts = _shifts(width, count, x.dtype, x.device)
+    return (x.unsqueeze(-1) >> shifts) & ((1 << width) - 1)
+
+
+def _raw_high(quant_type: str, qh: torch.Tensor, rows: int, nb: int) -> torch.Tensor:
+    """The file's high bits -> uint8 [rows, nb, block_size], element by element."""
+    if quant_type in ("Q5_0", "Q5_1"):  # bit j of the block's uint32 for element j
+        return _bit_fields(qh.view(rows, nb), 32, 1).to(torch.uint8)
+    per_block = qh.view(rows, nb, -1)
+    if quant_type == "Q6_K":  # crumb s of qh[32 h + j] for element 128 h + 32 s + j
+        return _bit_fields(per_block.view(rows, nb, 2, 32), 4, 2).transpose(-1, -2) \
+            .reshape(rows, nb, 256)
+    # Q5_K: bit i of qh[j] for element 32 i + j; Q3_K: bit 4 h + s of hmask[j] for element
+    # 128 h + 32 s + j, which is the same rule
+    return _bit_fields(per_block, 8, 1).transpose(-1, -2).reshape(rows, nb, 256)
+
+
+def _pack_high(quant_type: str, high: torch.Tensor, rows: int, nb: int) -> torch.Tensor:
+    """Per-element high bits uint8 [rows, nb, block_size] -> the kept qh plane."""
+    bits, units, dtype = _HIGH[quant_type]
+    dims, order = _HIGH_ORDER[quant_type]
+    placed = high.view(rows, nb, *dims).permute(0, 1, *(2 + i for i in order))
+    fields = placed.reshape(rows, nb, -1, 8 // bits).to(torch.int32)  # one byte each
+    packed = (fields << _shifts(bits, 8 // bits, torch.int32, high.device)).sum(-1)
+    return packed.to(torch.uint8).view(rows, -1).view(dtype)
+
+
+def _unpack_high(quant_type: str, plane: torch.Tensor, rows: int, nb: int) -> torch.Tensor:
+    """The kept qh plane -> per-element high bits uint8 [rows, nb, block_size]."""
+    bits = _HIGH[quant_type][0]
+    dims, order = _HIGH_ORDER[quant_type]
+    fields = _bit_fields(plane.view(torch.uint8).view(rows, nb, -1), 8 // bits, bits)
+    kept = [dims[i] for i in order]
+    inverse = [order.index(i) for i in range(len(order))]
+    return fields.reshape(rows, nb, *kept).permute(0, 1, *(2 + i for i in inverse)) \
+        .reshape(rows, nb, -1)
 
 
 def _iq4_table(device: torch.device) -> torch.Tensor:
@@ -175,8 +253,7 @@ def _dequantize_planes(quant_type: str, planes: dict[str, torch.Tensor], rows: i
     if quant_type in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL"):
         q = ((qs.view(rows, nb, 1, 16) >> nibble.view(2, 1)) & 15).view(rows, nb, 32)
         if quant_type in ("Q5_0", "Q5_1"):
-            bit = (planes["qh"].view(rows, nb, 1) >> _shifts(1, 32, torch.int32, dev)) & 1
-            q = q.to(torch.int32) | (bit << 4)
+            q = q | (_unpack_high(quant_type, planes["qh"], rows, nb) << 4)
         if quant_type == "IQ4_NL":
             assert table is not None
             w = d * table[q.long()]
@@ -199,8 +276,7 @@ def _dequantize_planes(quant_type: str, planes: dict[str, torch.Tensor], rows: i
             ml = dm.view(rows, nb, 1, 1) * (sc >> 4).float()
             w = dl * low.float() - ml
         else:
-            bits = _shifts(1, 8, torch.uint8, dev).view(2, 4, 1)  # bit 4 h + s
-            high = ((planes["qh"].view(rows, nb, 1, 1, 32) >> bits) & 1).view(rows, nb, 16, 16)
+            high = _unpack_high(quant_type, planes["qh"], rows, nb).view(rows, nb, 16, 16)
             q = (low | (high << 2)).float() - 4
             packed = planes["scales"].view(rows, nb, 12)
             lsc = (packed[..., 0:8].view(rows, nb, 1, 8) >> nibble.view(2, 1)) & 15
@@ -211,17 +287,16 @@ def _dequantize_planes(quant_type: str, planes: dict[str, torch.Tensor], rows: i
         assert dm is not None
         q = ((qs.view(rows, nb, 4, 1, 32) >> nibble.view(2, 1)) & 15).view(rows, nb, 8, 32)
         if quant_type == "Q5_K":
-            bits = _shifts(1, 8, torch.uint8, dev).view(8, 1)
-            q = q | (((planes["qh"].view(rows, nb, 1, 32) >> bits) & 1) << 4)
+            q = q | (_unpack_high(quant_type, planes["qh"], rows, nb).view(rows, nb, 8, 32) << 4)
         sc, mn = _k_scales(planes["scales"].view(rows, nb, 12))
         big_d = (d * sc.float()).view(rows, nb, 8, 1)
         big_m = (dm * mn.float()).view(rows, nb, 8, 1)
         w = big_d * q.float() - big_m
     elif quant_type == "Q6_K":
-        # ql: [rows, nb, h, nibble, 64]; qh: [rows, nb, h, s, 32]; both element order
+        # ql: [rows, nb, h, nibble, 64], element order
         low = ((qs.view(rows, nb, 2, 1, 64) >> nibble.view(2, 1)) & 15).view(rows, nb, 256)
-        high = ((planes["qh"].view(rows, nb, 2, 1, 32) >> crumb.view(4, 1)) & 3)
-        q = (low | (high.view(rows, nb, 256) << 4)).float() - 32
+        high = _unpack_high(quant_type, planes["qh"], rows, nb)
+        q = (low | (high << 4)).float() - 32
         big_d = d * planes["scales"].view(rows, nb, 16).float()
         w = big_d.view(rows, nb, 16, 1) * q.view(rows, nb, 16, 16)
     else:  # IQ4_XS
@@ -257,18 +332,17 @@ class GGUFWeight:
     * ``qs`` [rows, n_blocks * n]: the codes' low bits, uint8 (int8 for Q8_0), n = 16
       (Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL), 32 (Q8_0), 64 (Q2_K, Q3_K), 128 (Q4_K, Q5_K, Q6_K,
       IQ4_XS);
-    * ``qh`` or None: the high bits, int32 [rows, n_blocks] (Q5_0, Q5_1: bit j of word b
-      for element j of block b) or uint8 [rows, n_blocks * n] with n = 32 (Q3_K's hmask,
-      Q5_K), 64 (Q6_K);
+    * ``qh`` or None: the high bits, one unit per 32-bit word of ``qs`` (see ``_HIGH``):
+      uint8 [rows, n_blocks * n] with n = 4 (Q5_0, Q5_1), 32 (Q5_K); int16
+      [rows, n_blocks * n] with n = 16 (Q3_K), 32 (Q6_K);
     * ``scales`` or None: uint8 [rows, n_blocks * n] with n = 16 (Q2_K), 12 (Q3_K, Q4_K,
       Q5_K), 6 (IQ4_XS: scales_h, scales_l); int8 [rows, n_blocks * 16] for Q6_K;
     * ``table`` float32 [16] or None: IQ4_VALUES, for the IQ4 types;
     * ``splitk_counters`` int32 [rows]: arrival counters of the matmul kernels' split-K
       reduction, all zero between calls (a kernel that uses them leaves them at zero).
 
-    Each plane keeps GGUF's byte order, so a row's planes are byte for byte its blocks;
-    all planes are on one device and every row of a plane starts at a multiple of its
-    row length (``qs`` rows at multiples of 16 bytes).
+    A row's planes hold exactly its blocks' bytes (the high bits rearranged); all planes
+    are on one device, contiguous, and ``qs`` rows are multiples of 16 bytes long.
     """
 
     quant_type: str
