@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from vllmpy.ops.gguf_gemm import _gemm, _gemv, gguf_linear, gguf_linear_ref
 from vllmpy.ops.gguf_quants import (
     _PLANES,
     BLOCK_SIZES,
@@ -94,3 +95,126 @@ def test_geometry_is_checked() -> None:
         dequantize(blocks, "Q4_K", 64)
     with pytest.raises(ValueError, match="'Q7_9'.*supported: Q4_0, Q4_1"):
         dequantize(blocks, "Q7_9", 64)
+
+
+# ---- the matmul kernels -----------------------------------------------------------------
+
+N = 45  # output columns: not a multiple of any tile
+
+
+def _weight(quant_type: str, rows: int, cols: int, seed: int) -> GGUFWeight:
+    blocks = torch.from_numpy(random_blocks(quant_type, rows, cols, seed)).to(DEVICE)
+    return prepare(blocks, quant_type, rows, cols)
+
+
+def _check_close(got: torch.Tensor, want: torch.Tensor) -> None:
+    """fp32: 1e-4 of the output's magnitude; bf16 / fp16: four ulps of it (the kernels
+    keep the weights in fp32 where the reference rounds them to the activation dtype, and
+    Triton's interpreter truncates where the GPU rounds)."""
+    assert got.dtype == want.dtype and got.shape == want.shape
+    scale = want.float().abs().max().item()
+    if want.dtype == torch.float32:
+        atol = 1e-4 * scale
+    else:
+        atol = 4 * scale * torch.finfo(want.dtype).eps
+    torch.testing.assert_close(got.float(), want.float(), rtol=0, atol=atol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m,k", [(1, 512), (3, 256), (40, 512)])
+@pytest.mark.parametrize("quant_type", TYPES)
+def test_gguf_linear_matches_reference(quant_type: str, m: int, k: int,
+                                       dtype: torch.dtype) -> None:
+    """M = 1 runs the GEMV, more rows the GEMM; K = 512 splits K across programs (the
+    interpreter's device has few multiprocessors), K = 256 does not."""
+    w = _weight(quant_type, N, k, seed=m)
+    g = torch.Generator().manual_seed(k + m)
+    x = torch.randn(m, k, generator=g).to(DEVICE, dtype)
+    _check_close(gguf_linear(x, w), gguf_linear_ref(x, w))
+    assert not w.splitk_counters.any()  # left at zero for the next call
+
+
+@pytest.mark.parametrize("quant_type", ["Q4_0", "Q5_1", "Q8_0", "IQ4_NL"])
+@pytest.mark.parametrize("m", [1, 20])
+def test_partial_last_chunk(quant_type: str, m: int) -> None:
+    """32-weight blocks: K = 288 ends a chunk after one block."""
+    w = _weight(quant_type, N, 288, seed=3)
+    x = torch.randn(m, 288, generator=torch.Generator().manual_seed(m)).to(DEVICE)
+    _check_close(gguf_linear(x, w), gguf_linear_ref(x, w))
+
+
+@pytest.mark.parametrize("quant_type", ["Q4_K", "Q6_K", "Q5_0", "Q3_K"])
+@pytest.mark.parametrize("m", [2, 3, 8])
+def test_gemv_kernel_for_several_rows(quant_type: str, m: int) -> None:
+    """The GEMV runs up to 8 rows when GEMV_MAX_M is raised; with and without split-K."""
+    w = _weight(quant_type, N, 512, seed=m)
+    x = torch.randn(m, 512, generator=torch.Generator().manual_seed(m)).to(DEVICE)
+    want = gguf_linear_ref(x, w)
+    for splits in (1, 2):
+        out = torch.empty_like(want)
+        _gemv(x, w, None, out, splits)
+        _check_close(out, want)
+
+
+@pytest.mark.parametrize("quant_type", ["Q4_K", "Q8_0"])
+def test_kernels_without_split_k(quant_type: str) -> None:
+    w = _weight(quant_type, N, 512, seed=5)
+    for m, run in ((1, _gemv), (24, _gemm)):
+        x = torch.randn(m, 512, generator=torch.Generator().manual_seed(m)).to(DEVICE)
+        out = torch.empty(m, N, device=DEVICE)
+        run(x, w, None, out, 1)
+        _check_close(out, gguf_linear_ref(x, w))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("m", [1, 5, 33])
+def test_out_column_slices_and_bias(m: int, dtype: torch.dtype) -> None:
+    """Two shards of different types written side by side into one wide buffer (row
+    stride 100, not N), with biases; the activations a row slice of a wider tensor."""
+    k = 256
+    wq, wv = _weight("Q4_K", N, k, seed=7), _weight("Q6_K", 17, k, seed=8)
+    g = torch.Generator().manual_seed(m)
+    x = torch.randn(m, k + 30, generator=g).to(DEVICE, dtype)[:, 5:k + 5]
+    bq = torch.randn(N, generator=g).to(DEVICE, dtype)
+    bv = torch.randn(17, generator=g).to(DEVICE, dtype)
+    buf = torch.full((m, 100), 7.0, device=DEVICE, dtype=dtype)
+    got_q = gguf_linear(x, wq, bq, out=buf[:, 3:3 + N])
+    got_v = gguf_linear(x, wv, bv, out=buf[:, 3 + N:3 + N + 17])
+    assert got_q.data_ptr() == buf[:, 3:].data_ptr() and got_v.stride() == buf.stride()
+    _check_close(buf[:, 3:3 + N], gguf_linear_ref(x, wq, bq))
+    _check_close(buf[:, 3 + N:3 + N + 17], gguf_linear_ref(x, wv, bv))
+    untouched = torch.cat([buf[:, :3], buf[:, 3 + N + 17:]], dim=1)
+    assert bool((untouched == 7.0).all())
+
+
+def test_checks() -> None:
+    w = _weight("Q4_0", N, 256, seed=9)
+    x = torch.randn(2, 256, device=DEVICE)
+    with pytest.raises(ValueError, match=r"x must be \[M, 256\]"):
+        gguf_linear(x[:, :128], w)
+    with pytest.raises(ValueError, match="out must be"):
+        gguf_linear(x, w, out=torch.empty(2, N, dtype=torch.bfloat16, device=DEVICE))
+    with pytest.raises(ValueError, match="bias must be"):
+        gguf_linear(x, w, bias=torch.zeros(N + 1, device=DEVICE))
+    with pytest.raises(ValueError, match="int8"):
+        gguf_linear(x.to(torch.int8), w)
+    unknown = GGUFWeight(quant_type="Q1_X", rows=w.rows, cols=w.cols, d=w.d, qs=w.qs,
+                         splitk_counters=w.splitk_counters)
+    with pytest.raises(ValueError, match="'Q1_X' is not supported; supported: Q4_0"):
+        gguf_linear(x, unknown)
+    assert gguf_linear(x[:0], w).shape == (0, N)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("m", [1, 4, 64])
+def test_cuda_graph_capture(m: int) -> None:
+    w = _weight("Q4_K", 4096, 1024, seed=10)
+    x = torch.randn(m, 1024, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty(m, 4096, device="cuda", dtype=torch.bfloat16)
+    gguf_linear(x, w, out=out)  # compiles outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        gguf_linear(x, w, out=out)
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    _check_close(out, gguf_linear_ref(x, w))
