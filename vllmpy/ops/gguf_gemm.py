@@ -216,14 +216,41 @@ def _scales(sc_ptr, d, m, rows, s_sc, c, QT: tl.constexpr, NR: tl.constexpr,
 
 
 @triton.jit
+def _field_hi(w, S: tl.constexpr, BITS: tl.constexpr, hi, SH: tl.constexpr,
+              HBITS: tl.constexpr, OFFSET: tl.constexpr, magic):
+    """As _field for a code whose low BITS bits are bits S.. of ``w`` and whose high
+    HBITS bits are bits SH.. of ``hi``: the high bits are shifted above the low ones
+    before the exponent goes in (T = _field_pos(S, BITS + HBITS))."""
+    T: tl.constexpr = _field_pos(S, BITS + HBITS)
+    if T == S:
+        src = w
+    else:
+        src = w >> 12
+    UP: tl.constexpr = T + BITS - SH  # where the high bits move to
+    if UP >= 0:
+        high = hi << UP
+    else:
+        high = hi >> -UP
+    bits = (src & (((1 << BITS) - 1) << T)) \
+        | ((high & (((1 << HBITS) - 1) << (T + BITS))) | magic)
+    return bits.to(tl.float32, bitcast=True) - (8388608.0 + OFFSET * (1 << T))
+
+
+@triton.jit
 def _code_pos(QT: tl.constexpr, P: tl.constexpr, K: tl.constexpr):
     # the power of two (2^T) in the codes _codes returns for part P of byte K
     if QT == "IQ4_NL" or QT == "IQ4_XS":
         T: tl.constexpr = 0
     elif QT == "Q8_0":
         T: tl.constexpr = _field_pos(8 * K, 8)
-    elif QT == "Q2_K" or QT == "Q3_K":
+    elif QT == "Q2_K":
         T: tl.constexpr = _field_pos(8 * K + 2 * P, 2)
+    elif QT == "Q3_K":
+        T: tl.constexpr = _field_pos(8 * K + 2 * P, 3)
+    elif QT == "Q6_K":
+        T: tl.constexpr = _field_pos(8 * K + 4 * P, 6)
+    elif QT == "Q5_0" or QT == "Q5_1" or QT == "Q5_K":
+        T: tl.constexpr = _field_pos(8 * K + 4 * P, 5)
     else:
         T: tl.constexpr = _field_pos(8 * K + 4 * P, 4)
     return T
@@ -244,21 +271,18 @@ def _codes(words, hi, tab_ptr, magic, QT: tl.constexpr, P: tl.constexpr, K: tl.c
     """The codes of part ``P`` of byte ``K`` of every word, as float32 with the type's
     offset applied (the weights' q) times 2^_code_pos(QT, P, K), [BLOCK_N, NR, W]; see
     gguf_quants._HIGH for where their high bits are."""
-    T: tl.constexpr = _code_pos(QT, P, K)
     if QT == "Q8_0":
         q = _field(words, 8 * K, 8, 128.0, magic)
     elif QT == "Q2_K":
         q = _field(words, 8 * K + 2 * P, 2, 0.0, magic)
-    elif QT == "Q3_K":  # high bit: bit 4 P + K of the unit, weight 4
-        H: tl.constexpr = 4.0 * (1 << T) / (1 << (4 * P + K))
-        q = _field(words, 8 * K + 2 * P, 2, 4.0, magic) + H * _field(hi, 4 * P + K, 1, 0.0, magic)
-    elif QT == "Q6_K":  # high bits: bits 2 (4 P + K) and up of the unit, weight 16
-        H: tl.constexpr = 16.0 * (1 << T) / (1 << (8 * P + 2 * K))
-        q = _field(words, 8 * K + 4 * P, 4, 32.0, magic) + H * _field(hi, 8 * P + 2 * K, 2, 0.0, magic)
-    elif QT == "Q5_0" or QT == "Q5_1" or QT == "Q5_K":  # bit 4 P + K of the unit
-        H: tl.constexpr = 16.0 * (1 << T) / (1 << (4 * P + K))
-        OFFSET: tl.constexpr = 16.0 if QT == "Q5_0" else 0.0
-        q = _field(words, 8 * K + 4 * P, 4, OFFSET, magic) + H * _field(hi, 4 * P + K, 1, 0.0, magic)
+    elif QT == "Q3_K":  # high bit: bit 4 P + K of the unit
+        q = _field_hi(words, 8 * K + 2 * P, 2, hi, 4 * P + K, 1, 4.0, magic)
+    elif QT == "Q6_K":  # high bits: bits 2 (4 P + K) and up of the unit
+        q = _field_hi(words, 8 * K + 4 * P, 4, hi, 8 * P + 2 * K, 2, 32.0, magic)
+    elif QT == "Q5_0":  # high bit: bit 4 P + K of the unit
+        q = _field_hi(words, 8 * K + 4 * P, 4, hi, 4 * P + K, 1, 16.0, magic)
+    elif QT == "Q5_1" or QT == "Q5_K":
+        q = _field_hi(words, 8 * K + 4 * P, 4, hi, 4 * P + K, 1, 0.0, magic)
     elif QT == "IQ4_NL" or QT == "IQ4_XS":
         q = tl.load(tab_ptr + ((words >> (8 * K + 4 * P)) & 15))
     elif QT == "Q4_0":
