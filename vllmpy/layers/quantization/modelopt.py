@@ -41,8 +41,11 @@ class ModelOptConfig(QuantizationConfig):
         self.exclude = _glob_to_patterns(exclude)
 
     @classmethod
-    def from_checkpoint(cls, section: dict, where: str) -> ModelOptConfig:
+    def from_checkpoint(cls, section: dict, where: str) -> ModelOptConfig | None:
+        """None when the section quantizes only the KV cache (no ``quant_algo``)."""
         algo = section.get("quant_algo")
+        if algo is None:
+            return None
         if str(algo).upper() != "FP8":
             raise QuantizationError(f"{where}: quant_algo={algo!r} is not supported; "
                                     "supported: ['FP8']")
