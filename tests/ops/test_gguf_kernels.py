@@ -143,8 +143,7 @@ def test_partial_last_chunk(quant_type: str, m: int) -> None:
     _check_close(gguf_linear(x, w), gguf_linear_ref(x, w))
 
 
-@pytest.mark.parametrize("quant_type", ["Q4_K", "Q6_K", "Q5_0", "Q3_K"])
-@pytest.mark.parametrize("m", [2, 3, 8])
+@pytest.mark.parametrize("quant_type,m", [("Q4_K", 2), ("Q6_K", 3), ("Q3_K", 4), ("Q5_0", 8)])
 def test_gemv_kernel_for_several_rows(quant_type: str, m: int) -> None:
     """The GEMV runs up to 8 rows when GEMV_MAX_M is raised; with and without split-K."""
     w = _weight(quant_type, N, 512, seed=m)

@@ -86,6 +86,12 @@ _TILES: dict[str, tuple[int, int, int]] = {
     "IQ4_NL": (8, 4, 2), "Q8_0": (8, 8, 1), "Q2_K": (4, 4, 4), "Q3_K": (4, 4, 4),
     "Q4_K": (4, 8, 2), "Q5_K": (4, 8, 2), "Q6_K": (8, 4, 2), "IQ4_XS": (8, 4, 2),
 }
+# type -> (bits per code in a byte of qs, bits per code with its high bits)
+_CODE_BITS: dict[str, tuple[int, int]] = {
+    "Q4_0": (4, 4), "Q4_1": (4, 4), "Q5_0": (4, 5), "Q5_1": (4, 5), "IQ4_NL": (4, 4),
+    "Q8_0": (8, 8), "Q2_K": (2, 2), "Q3_K": (2, 3), "Q4_K": (4, 4), "Q5_K": (4, 5),
+    "Q6_K": (4, 6), "IQ4_XS": (4, 4),
+}
 # types whose weights are d * q - m with a min of their own (the others have m = 0)
 _AFFINE = frozenset({"Q4_1", "Q5_1", "Q2_K", "Q4_K", "Q5_K"})
 
@@ -97,29 +103,14 @@ _MAGIC = 0x4B000000
 
 
 @triton.jit
-def _field_pos(S: tl.constexpr, BITS: tl.constexpr):
-    # where _field reads bits S..S+BITS of a word from: in place, or after a shift by 12
-    # when they reach past bit 22
-    if S + BITS <= 23:
-        T: tl.constexpr = S
-    else:
-        T: tl.constexpr = S - 12
-    return T
-
-
-@triton.jit
 def _field(w, S: tl.constexpr, BITS: tl.constexpr, OFFSET: tl.constexpr, magic):
     """Bits S..S+BITS of the int32 words ``w`` as float32 (field - OFFSET) * 2^T, exactly,
-    T = _field_pos(S, BITS), in two instructions and without an int-to-float conversion:
-    the field is masked at bit T (T + BITS <= 23) and ``magic`` (``_MAGIC``, the exponent
-    of 2^23) is OR-ed in above it, which makes the float 2^23 + field * 2^T; the
-    subtraction is exact too."""
-    T: tl.constexpr = _field_pos(S, BITS)
-    if T == S:
-        src = w
-    else:
-        src = w >> 12
-    bits = (src & (((1 << BITS) - 1) << T)) | magic
+    in two instructions and without an int-to-float conversion: the field is masked at
+    bit T, which is S, or S - 12 after a shift when the field reaches past bit 22 (T +
+    BITS <= 23 either way), and ``magic`` (``_MAGIC``, the exponent of 2^23) is OR-ed in
+    above it, which makes the float 2^23 + field * 2^T; the subtraction is exact too."""
+    T: tl.constexpr = S - 12 * (S + BITS > 23)
+    bits = ((w >> (S - T)) & (((1 << BITS) - 1) << T)) | magic
     return bits.to(tl.float32, bitcast=True) - (8388608.0 + OFFSET * (1 << T))
 
 
@@ -220,57 +211,37 @@ def _field_hi(w, S: tl.constexpr, BITS: tl.constexpr, hi, SH: tl.constexpr,
               HBITS: tl.constexpr, OFFSET: tl.constexpr, magic):
     """As _field for a code whose low BITS bits are bits S.. of ``w`` and whose high
     HBITS bits are bits SH.. of ``hi``: the high bits are shifted above the low ones
-    before the exponent goes in (T = _field_pos(S, BITS + HBITS))."""
-    T: tl.constexpr = _field_pos(S, BITS + HBITS)
-    if T == S:
-        src = w
-    else:
-        src = w >> 12
-    UP: tl.constexpr = T + BITS - SH  # where the high bits move to
+    before the exponent goes in (T as in _field for a field of BITS + HBITS bits)."""
+    T: tl.constexpr = S - 12 * (S + BITS + HBITS > 23)
+    UP: tl.constexpr = T + BITS - SH  # how far the high bits move up
     if UP >= 0:
         high = hi << UP
     else:
         high = hi >> -UP
-    bits = (src & (((1 << BITS) - 1) << T)) \
+    bits = ((w >> (S - T)) & (((1 << BITS) - 1) << T)) \
         | ((high & (((1 << HBITS) - 1) << (T + BITS))) | magic)
     return bits.to(tl.float32, bitcast=True) - (8388608.0 + OFFSET * (1 << T))
 
 
 @triton.jit
-def _code_pos(QT: tl.constexpr, P: tl.constexpr, K: tl.constexpr):
-    # the power of two (2^T) in the codes _codes returns for part P of byte K
+def _code_scales(QT: tl.constexpr, P: tl.constexpr, PART_BITS: tl.constexpr,
+                 CODE_BITS: tl.constexpr):
+    """[4]: 2^-T of the codes _codes gives for part ``P`` of bytes k = 0..3 (each code's
+    low bits at bit S = 8 k + PART_BITS * P of its word, CODE_BITS bits in all), what the
+    activations are multiplied by; 1 for the IQ4 types, whose codes are table values."""
+    s = 8 * tl.arange(0, 4) + PART_BITS * P
+    t = s - 12 * (s + CODE_BITS > 23).to(tl.int32)
+    scale = ((127 - t) << 23).to(tl.float32, bitcast=True)
     if QT == "IQ4_NL" or QT == "IQ4_XS":
-        T: tl.constexpr = 0
-    elif QT == "Q8_0":
-        T: tl.constexpr = _field_pos(8 * K, 8)
-    elif QT == "Q2_K":
-        T: tl.constexpr = _field_pos(8 * K + 2 * P, 2)
-    elif QT == "Q3_K":
-        T: tl.constexpr = _field_pos(8 * K + 2 * P, 3)
-    elif QT == "Q6_K":
-        T: tl.constexpr = _field_pos(8 * K + 4 * P, 6)
-    elif QT == "Q5_0" or QT == "Q5_1" or QT == "Q5_K":
-        T: tl.constexpr = _field_pos(8 * K + 4 * P, 5)
-    else:
-        T: tl.constexpr = _field_pos(8 * K + 4 * P, 4)
-    return T
-
-
-@triton.jit
-def _code_scales(QT: tl.constexpr, P: tl.constexpr):
-    # [4]: 2^-_code_pos(QT, P, k) for bytes k = 0..3, what the activations are multiplied by
-    k = tl.arange(0, 4)
-    return tl.where(k == 0, 1.0 / (1 << _code_pos(QT, P, 0)),
-                    tl.where(k == 1, 1.0 / (1 << _code_pos(QT, P, 1)),
-                             tl.where(k == 2, 1.0 / (1 << _code_pos(QT, P, 2)),
-                                      1.0 / (1 << _code_pos(QT, P, 3)))))
+        scale = tl.full((4,), 1.0, tl.float32)
+    return scale
 
 
 @triton.jit
 def _codes(words, hi, tab_ptr, magic, QT: tl.constexpr, P: tl.constexpr, K: tl.constexpr):
     """The codes of part ``P`` of byte ``K`` of every word, as float32 with the type's
-    offset applied (the weights' q) times 2^_code_pos(QT, P, K), [BLOCK_N, NR, W]; see
-    gguf_quants._HIGH for where their high bits are."""
+    offset applied (the weights' q) times the power of two _code_scales takes out,
+    [BLOCK_N, NR, W]; see gguf_quants._HIGH for where their high bits are."""
     if QT == "Q8_0":
         q = _field(words, 8 * K, 8, 128.0, magic)
     elif QT == "Q2_K":
@@ -379,7 +350,8 @@ def _gemv_kernel(
     cnt_ptr, magic, M, N, K, nblk, n_chunks, chunks_per_split, stride_xm, stride_om,
     s_qs, s_qh, s_sc, s_d,
     QT: tl.constexpr, SMALL: tl.constexpr, NR: tl.constexpr, W: tl.constexpr,
-    PARTS: tl.constexpr, HAS_MIN: tl.constexpr, HAS_BIAS: tl.constexpr,
+    PARTS: tl.constexpr, PART_BITS: tl.constexpr, CODE_BITS: tl.constexpr,
+    HAS_MIN: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
@@ -406,7 +378,8 @@ def _gemv_kernel(
                 row = tl.minimum(i, M - 1)  # rows past M (BLOCK_M is a power of two) repeat
                 xv = tl.load(x_ptr + row * stride_xm + koff, mask=k_ok, other=0.0)
                 xv = xv.to(tl.float32)
-                x0, x1, x2, x3 = _split4(xv * _code_scales(QT, p)[None, None, :], NR, W)
+                x0, x1, x2, x3 = _split4(xv * _code_scales(QT, p, PART_BITS, CODE_BITS)[None, None, :],
+                                         NR, W)
                 t = q0 * x0[None] + q1 * x1[None] + q2 * x2[None] + q3 * x3[None]
                 part = sd * tl.sum(t, axis=2)  # [BLOCK_N, NR]
                 if HAS_MIN:
@@ -421,11 +394,17 @@ def _gemv_kernel(
 
 
 @triton.jit
-def _dequant(words, hi, tab_ptr, magic, sd, smn, QT: tl.constexpr, P: tl.constexpr, K: tl.constexpr,
+def _dequant(words, hi, tab_ptr, magic, sd, smn, QT: tl.constexpr, P: tl.constexpr,
+             K: tl.constexpr, PART_BITS: tl.constexpr, CODE_BITS: tl.constexpr,
              HAS_MIN: tl.constexpr):
     # the weights of part P of byte K of every word, float32 [BLOCK_N, NR, W]
-    w = (sd * (1.0 / (1 << _code_pos(QT, P, K))))[:, :, None] * _codes(words, hi, tab_ptr, magic, QT,
-                                                                         P, K)
+    q = _codes(words, hi, tab_ptr, magic, QT, P, K)
+    if QT == "IQ4_NL" or QT == "IQ4_XS":
+        w = sd[:, :, None] * q
+    else:  # the codes carry 2^T (see _field)
+        S: tl.constexpr = 8 * K + PART_BITS * P
+        T: tl.constexpr = S - 12 * (S + CODE_BITS > 23)
+        w = (sd * (1.0 / (1 << T)))[:, :, None] * q
     if HAS_MIN:
         w -= smn[:, :, None]
     return w
@@ -437,7 +416,8 @@ def _gemm_kernel(
     cnt_ptr, magic, M, N, K, nblk, n_chunks, chunks_per_split, stride_xm, stride_om,
     s_qs, s_qh, s_sc, s_d,
     QT: tl.constexpr, SMALL: tl.constexpr, NR: tl.constexpr, W: tl.constexpr,
-    PARTS: tl.constexpr, HAS_MIN: tl.constexpr, HAS_BIAS: tl.constexpr,
+    PARTS: tl.constexpr, PART_BITS: tl.constexpr, CODE_BITS: tl.constexpr,
+    HAS_MIN: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
     SPLIT_K: tl.constexpr, DOT_PRECISION: tl.constexpr, WIDEN: tl.constexpr,
 ):
@@ -464,10 +444,15 @@ def _gemm_kernel(
                                 nblk, QT, SMALL, NR, W)
         for p in tl.static_range(PARTS):
             sd, smn = _scales(sc_ptr, d, m, rows, s_sc, c, QT, NR, p)
-            w = _join4(_dequant(words, hi, tab_ptr, magic, sd, smn, QT, p, 0, HAS_MIN),
-                       _dequant(words, hi, tab_ptr, magic, sd, smn, QT, p, 1, HAS_MIN),
-                       _dequant(words, hi, tab_ptr, magic, sd, smn, QT, p, 2, HAS_MIN),
-                       _dequant(words, hi, tab_ptr, magic, sd, smn, QT, p, 3, HAS_MIN))
+            w = _join4(
+                _dequant(words, hi, tab_ptr, magic, sd, smn, QT, p, 0, PART_BITS, CODE_BITS,
+                         HAS_MIN),
+                _dequant(words, hi, tab_ptr, magic, sd, smn, QT, p, 1, PART_BITS, CODE_BITS,
+                         HAS_MIN),
+                _dequant(words, hi, tab_ptr, magic, sd, smn, QT, p, 2, PART_BITS, CODE_BITS,
+                         HAS_MIN),
+                _dequant(words, hi, tab_ptr, magic, sd, smn, QT, p, 3, PART_BITS, CODE_BITS,
+                         HAS_MIN))
             w = tl.reshape(w, (BLOCK_N, NR * W * 4)).to(dtype)
             kk = tl.reshape(_x_offsets(_run_start(c, QT, NR, p), W), (NR * W * 4,))
             xt = tl.load(x_rows + kk[None, :], mask=(kk < K)[None, :], other=0.0)
@@ -493,8 +478,10 @@ def _plane_args(weight: GGUFWeight) -> tuple[list[torch.Tensor], list[int]]:
 def _type_args(weight: GGUFWeight) -> dict[str, object]:
     """The constexprs that describe the weight's type to the kernels."""
     runs, words, parts = _TILES[weight.quant_type]
+    part_bits, code_bits = _CODE_BITS[weight.quant_type]
     return dict(QT=weight.quant_type, SMALL=weight.block_size == 32, NR=runs, W=words,
-                PARTS=parts, HAS_MIN=weight.quant_type in _AFFINE)
+                PARTS=parts, PART_BITS=part_bits, CODE_BITS=code_bits,
+                HAS_MIN=weight.quant_type in _AFFINE)
 
 
 def split_k(tiles: int, chunks: int, device: torch.device) -> int:
