@@ -121,12 +121,13 @@ def _check_close(got: torch.Tensor, want: torch.Tensor) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("m,k", [(1, 512), (3, 256), (40, 512)])
+@pytest.mark.parametrize("m,k", [(1, 512), (2, 256), (3, 256), (40, 512)])
 @pytest.mark.parametrize("quant_type", TYPES)
 def test_gguf_linear_matches_reference(quant_type: str, m: int, k: int,
                                        dtype: torch.dtype) -> None:
-    """M = 1 runs the GEMV, more rows the GEMM; K = 512 splits K across programs (the
-    interpreter's device has few multiprocessors), K = 256 does not."""
+    """Up to GEMV_MAX_M rows (2) run the GEMV, more rows the GEMM; K = 512 splits K
+    across programs (the interpreter's device has few multiprocessors), K = 256 does
+    not."""
     w = _weight(quant_type, N, k, seed=m)
     g = torch.Generator().manual_seed(k + m)
     x = torch.randn(m, k, generator=g).to(DEVICE, dtype)
@@ -145,7 +146,8 @@ def test_partial_last_chunk(quant_type: str, m: int) -> None:
 
 @pytest.mark.parametrize("quant_type,m", [("Q4_K", 2), ("Q6_K", 3), ("Q3_K", 4), ("Q5_0", 8)])
 def test_gemv_kernel_for_several_rows(quant_type: str, m: int) -> None:
-    """The GEMV runs up to 8 rows when GEMV_MAX_M is raised; with and without split-K."""
+    """The GEMV kernel runs up to 8 rows (GEMV_MAX_M can be raised that far); with and
+    without split-K."""
     w = _weight(quant_type, N, 512, seed=m)
     x = torch.randn(m, 512, generator=torch.Generator().manual_seed(m)).to(DEVICE)
     want = gguf_linear_ref(x, w)

@@ -1,6 +1,6 @@
 """``x @ W.T`` for a GGUF block-quantized ``W`` (a ``GGUFWeight``), dequantized in
-registers: a fused dequant-GEMV for one-row decode steps and a dequant-GEMM on the tensor
-cores for more rows. No dense copy of the weight is made.
+registers: a fused dequant-GEMV for the one or two rows of small decode steps and a
+dequant-GEMM on the tensor cores for more rows. No dense copy of the weight is made.
 
 Reading the weights. Both kernels walk the reduction in chunks of ``CHUNK`` weights
 (eight 32-weight blocks or one 256-weight super-block). A program reads a chunk of its
@@ -59,10 +59,12 @@ from vllmpy.ops.paged_attention import num_multiprocessors
 # super-block.
 CHUNK = 256
 # Activation rows up to which gguf_linear takes the GEMV kernel; more take the GEMM. The
-# GEMV multiplies on the FP32 units, one FMA per weight and row, so by the instructions
-# per weight in their sm_90 code the tensor-core GEMM (a 16-row tile) costs less from two
-# rows on; the GEMV runs any M up to 8, and benchmarks/gguf_kernels.py times both.
-GEMV_MAX_M = 1
+# GEMV multiplies on the FP32 units, an FMA per weight and row; the GEMM's 16-row tile
+# costs the same at any M up to 16. Counted in their sm_90 code, for Q4_0, Q4_K, Q8_0 and
+# Q6_K, the GEMV issues 4.1-7.1 instructions per weight at one row, 5.5-8.8 at two and
+# 8.5-12.1 at four, the GEMM 6.6-10.0. The GEMV runs any M up to 8;
+# benchmarks/gguf_kernels.py --cutover times both kernels.
+GEMV_MAX_M = 2
 # GEMV: weight rows per program and warps per program.
 GEMV_BLOCK_N = 64
 GEMV_WARPS = 4
@@ -115,6 +117,63 @@ def _field(w, S: tl.constexpr, BITS: tl.constexpr, OFFSET: tl.constexpr, magic):
 
 
 @triton.jit
+def _field_hi(w, S: tl.constexpr, BITS: tl.constexpr, hi, SH: tl.constexpr,
+              HBITS: tl.constexpr, OFFSET: tl.constexpr, magic):
+    """As _field for a code whose low BITS bits are bits S.. of ``w`` and whose high
+    HBITS bits are bits SH.. of ``hi``: the high bits are shifted above the low ones
+    before the exponent goes in (T as in _field for a field of BITS + HBITS bits)."""
+    T: tl.constexpr = S - 12 * (S + BITS + HBITS > 23)
+    UP: tl.constexpr = T + BITS - SH  # how far the high bits move up
+    if UP >= 0:
+        high = hi << UP
+    else:
+        high = hi >> -UP
+    bits = ((w >> (S - T)) & (((1 << BITS) - 1) << T)) \
+        | ((high & (((1 << HBITS) - 1) << (T + BITS))) | magic)
+    return bits.to(tl.float32, bitcast=True) - (8388608.0 + OFFSET * (1 << T))
+
+
+@triton.jit
+def _code_scales(QT: tl.constexpr, P: tl.constexpr, PART_BITS: tl.constexpr,
+                 CODE_BITS: tl.constexpr):
+    """[4]: 2^-T of the codes _codes gives for part ``P`` of bytes k = 0..3 (each code's
+    low bits at bit S = 8 k + PART_BITS * P of its word, CODE_BITS bits in all), what the
+    activations are multiplied by; 1 for the IQ4 types, whose codes are table values."""
+    s = 8 * tl.arange(0, 4) + PART_BITS * P
+    t = s - 12 * (s + CODE_BITS > 23).to(tl.int32)
+    scale = ((127 - t) << 23).to(tl.float32, bitcast=True)
+    if QT == "IQ4_NL" or QT == "IQ4_XS":
+        scale = tl.full((4,), 1.0, tl.float32)
+    return scale
+
+
+@triton.jit
+def _codes(words, hi, tab_ptr, magic, QT: tl.constexpr, P: tl.constexpr, K: tl.constexpr):
+    """The codes of part ``P`` of byte ``K`` of every word, as float32 with the type's
+    offset applied (the weights' q) times the power of two _code_scales takes out,
+    [BLOCK_N, NR, W]; see gguf_quants._HIGH for where their high bits are."""
+    if QT == "Q8_0":
+        q = _field(words, 8 * K, 8, 128.0, magic)
+    elif QT == "Q2_K":
+        q = _field(words, 8 * K + 2 * P, 2, 0.0, magic)
+    elif QT == "Q3_K":  # high bit: bit 4 P + K of the unit
+        q = _field_hi(words, 8 * K + 2 * P, 2, hi, 4 * P + K, 1, 4.0, magic)
+    elif QT == "Q6_K":  # high bits: bits 2 (4 P + K) and up of the unit
+        q = _field_hi(words, 8 * K + 4 * P, 4, hi, 8 * P + 2 * K, 2, 32.0, magic)
+    elif QT == "Q5_0":  # high bit: bit 4 P + K of the unit
+        q = _field_hi(words, 8 * K + 4 * P, 4, hi, 4 * P + K, 1, 16.0, magic)
+    elif QT == "Q5_1" or QT == "Q5_K":
+        q = _field_hi(words, 8 * K + 4 * P, 4, hi, 4 * P + K, 1, 0.0, magic)
+    elif QT == "IQ4_NL" or QT == "IQ4_XS":
+        q = tl.load(tab_ptr + ((words >> (8 * K + 4 * P)) & 15))
+    elif QT == "Q4_0":
+        q = _field(words, 8 * K + 4 * P, 4, 8.0, magic)
+    else:  # Q4_1, Q4_K
+        q = _field(words, 8 * K + 4 * P, 4, 0.0, magic)
+    return q
+
+
+@triton.jit
 def _load(qs_ptr, qh_ptr, d_ptr, dm_ptr, rows, s_qs, s_qh, s_d, c, nblk, QT: tl.constexpr,
           SMALL: tl.constexpr, NR: tl.constexpr, W: tl.constexpr):
     """The words of chunk ``c`` of weight rows ``rows`` (int64 [BLOCK_N], all < N), each
@@ -125,7 +184,7 @@ def _load(qs_ptr, qh_ptr, d_ptr, dm_ptr, rows, s_qs, s_qh, s_d, c, nblk, QT: tl.
     end (``nblk`` blocks) read its last block; their K indices are >= K."""
     r = tl.arange(0, NR)
     rd = rows[:, None] * s_d
-    if SMALL:  # run r is block 8 c + r
+    if SMALL:  # run r is block NR c + r
         run = tl.minimum(c * NR + r, nblk - 1)
         d = tl.load(d_ptr + rd + run[None, :]).to(tl.float32)
         if QT == "Q4_1" or QT == "Q5_1":
@@ -204,63 +263,6 @@ def _scales(sc_ptr, d, m, rows, s_sc, c, QT: tl.constexpr, NR: tl.constexpr,
         sd = d
         smn = -m
     return sd, smn
-
-
-@triton.jit
-def _field_hi(w, S: tl.constexpr, BITS: tl.constexpr, hi, SH: tl.constexpr,
-              HBITS: tl.constexpr, OFFSET: tl.constexpr, magic):
-    """As _field for a code whose low BITS bits are bits S.. of ``w`` and whose high
-    HBITS bits are bits SH.. of ``hi``: the high bits are shifted above the low ones
-    before the exponent goes in (T as in _field for a field of BITS + HBITS bits)."""
-    T: tl.constexpr = S - 12 * (S + BITS + HBITS > 23)
-    UP: tl.constexpr = T + BITS - SH  # how far the high bits move up
-    if UP >= 0:
-        high = hi << UP
-    else:
-        high = hi >> -UP
-    bits = ((w >> (S - T)) & (((1 << BITS) - 1) << T)) \
-        | ((high & (((1 << HBITS) - 1) << (T + BITS))) | magic)
-    return bits.to(tl.float32, bitcast=True) - (8388608.0 + OFFSET * (1 << T))
-
-
-@triton.jit
-def _code_scales(QT: tl.constexpr, P: tl.constexpr, PART_BITS: tl.constexpr,
-                 CODE_BITS: tl.constexpr):
-    """[4]: 2^-T of the codes _codes gives for part ``P`` of bytes k = 0..3 (each code's
-    low bits at bit S = 8 k + PART_BITS * P of its word, CODE_BITS bits in all), what the
-    activations are multiplied by; 1 for the IQ4 types, whose codes are table values."""
-    s = 8 * tl.arange(0, 4) + PART_BITS * P
-    t = s - 12 * (s + CODE_BITS > 23).to(tl.int32)
-    scale = ((127 - t) << 23).to(tl.float32, bitcast=True)
-    if QT == "IQ4_NL" or QT == "IQ4_XS":
-        scale = tl.full((4,), 1.0, tl.float32)
-    return scale
-
-
-@triton.jit
-def _codes(words, hi, tab_ptr, magic, QT: tl.constexpr, P: tl.constexpr, K: tl.constexpr):
-    """The codes of part ``P`` of byte ``K`` of every word, as float32 with the type's
-    offset applied (the weights' q) times the power of two _code_scales takes out,
-    [BLOCK_N, NR, W]; see gguf_quants._HIGH for where their high bits are."""
-    if QT == "Q8_0":
-        q = _field(words, 8 * K, 8, 128.0, magic)
-    elif QT == "Q2_K":
-        q = _field(words, 8 * K + 2 * P, 2, 0.0, magic)
-    elif QT == "Q3_K":  # high bit: bit 4 P + K of the unit
-        q = _field_hi(words, 8 * K + 2 * P, 2, hi, 4 * P + K, 1, 4.0, magic)
-    elif QT == "Q6_K":  # high bits: bits 2 (4 P + K) and up of the unit
-        q = _field_hi(words, 8 * K + 4 * P, 4, hi, 8 * P + 2 * K, 2, 32.0, magic)
-    elif QT == "Q5_0":  # high bit: bit 4 P + K of the unit
-        q = _field_hi(words, 8 * K + 4 * P, 4, hi, 4 * P + K, 1, 16.0, magic)
-    elif QT == "Q5_1" or QT == "Q5_K":
-        q = _field_hi(words, 8 * K + 4 * P, 4, hi, 4 * P + K, 1, 0.0, magic)
-    elif QT == "IQ4_NL" or QT == "IQ4_XS":
-        q = tl.load(tab_ptr + ((words >> (8 * K + 4 * P)) & 15))
-    elif QT == "Q4_0":
-        q = _field(words, 8 * K + 4 * P, 4, 8.0, magic)
-    else:  # Q4_1, Q4_K
-        q = _field(words, 8 * K + 4 * P, 4, 0.0, magic)
-    return q
 
 
 @triton.jit
@@ -496,6 +498,8 @@ def split_k(tiles: int, chunks: int, device: torch.device) -> int:
 def _launch(kernel, grid_tiles: int, x: torch.Tensor, weight: GGUFWeight,
             bias: torch.Tensor | None, out: torch.Tensor, splits: int,
             **meta: object) -> None:
+    """Launch ``kernel`` over ``grid_tiles`` output tiles, K split ``splits`` ways (as
+    evenly as the chunks go), with a workspace for the partial sums when split."""
     m, k = x.shape
     chunks = triton.cdiv(k, CHUNK)
     per_split = triton.cdiv(chunks, splits)
@@ -516,6 +520,8 @@ def _launch(kernel, grid_tiles: int, x: torch.Tensor, weight: GGUFWeight,
 
 def _gemv(x: torch.Tensor, weight: GGUFWeight, bias: torch.Tensor | None,
           out: torch.Tensor, splits: int | None = None) -> None:
+    """The GEMV kernel into ``out`` (M <= 8); ``splits`` overrides split_k's choice."""
+    assert x.shape[0] <= 8, "the GEMV kernel takes up to 8 rows"
     tiles = triton.cdiv(weight.rows, GEMV_BLOCK_N)
     if splits is None:
         splits = split_k(tiles, triton.cdiv(x.shape[1], CHUNK), x.device)
@@ -534,6 +540,7 @@ def gemm_config(m: int) -> tuple[int, int, int, int]:
 
 def _gemm(x: torch.Tensor, weight: GGUFWeight, bias: torch.Tensor | None,
           out: torch.Tensor, splits: int | None = None) -> None:
+    """The GEMM kernel into ``out``; ``splits`` overrides split_k's choice."""
     m, k = x.shape
     block_m, block_n, warps, stages = gemm_config(m)
     tiles = triton.cdiv(m, block_m) * triton.cdiv(weight.rows, block_n)
@@ -560,6 +567,7 @@ def _check(x: torch.Tensor, weight: GGUFWeight, bias: torch.Tensor | None,
             or weight.splitk_counters.device != x.device:
         raise ValueError("the weight's split-K counters are missing; build it with prepare()")
     if bias is not None:
+        check_float("bias", bias, "GGUF matmul kernels")
         check_same_device("bias", bias, x, "x")
         if tuple(bias.shape) != (weight.rows,) or bias.stride(0) != 1:
             raise ValueError(f"bias must be a contiguous [{weight.rows}] vector; got "

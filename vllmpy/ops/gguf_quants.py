@@ -217,9 +217,11 @@ def _pack_high(quant_type: str, high: torch.Tensor, rows: int, nb: int) -> torch
     bits, units, dtype = _HIGH[quant_type]
     dims, order = _HIGH_ORDER[quant_type]
     placed = high.view(rows, nb, *dims).permute(0, 1, *(2 + i for i in order))
-    fields = placed.reshape(rows, nb, -1, 8 // bits).to(torch.int32)  # one byte each
-    packed = (fields << _shifts(bits, 8 // bits, torch.int32, high.device)).sum(-1)
-    return packed.to(torch.uint8).view(rows, -1).view(dtype)
+    fields = placed.reshape(rows, nb, -1, 8 // bits)  # the fields of one byte each
+    packed = fields[..., 0].clone()
+    for i in range(1, 8 // bits):
+        packed |= fields[..., i] << (bits * i)
+    return packed.view(rows, -1).view(dtype)
 
 
 def _unpack_high(quant_type: str, plane: torch.Tensor, rows: int, nb: int) -> torch.Tensor:
