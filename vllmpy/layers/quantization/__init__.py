@@ -68,9 +68,14 @@ def _declared(hf_config: dict, model_dir: str | None) -> tuple[str, dict, str] |
     if isinstance(section, dict) and section.get("quant_method") is not None:
         return str(section["quant_method"]).lower(), section, "config.json quantization_config"
     if model_dir is not None and os.path.isfile(os.path.join(model_dir, HF_QUANT_CONFIG)):
-        with open(os.path.join(model_dir, HF_QUANT_CONFIG)) as f:
-            data = json.load(f)
-        quant = data.get("quantization") or {}
+        try:
+            with open(os.path.join(model_dir, HF_QUANT_CONFIG)) as f:
+                data = json.load(f)
+        except (OSError, ValueError):
+            # the KV-cache resolver refuses it by name unless --kv-cache-dtype decides;
+            # quantized weights behind it would be refused at load (copy_checked)
+            return None
+        quant = (data.get("quantization") if isinstance(data, dict) else None) or {}
         if quant.get("quant_algo") is not None:
             return "modelopt", quant, HF_QUANT_CONFIG
     return None
