@@ -6,12 +6,13 @@
     python benchmarks/gguf_kernels.py --cutover       # decode rows through the GEMV and
                                                       # the GEMM kernel, to set GEMV_MAX_M
 
-Each row: the kernel's time per call (after warm-up, replayed from a CUDA graph), the rate at which it reads the matrix's quantized bytes (GB/s and the
-share of the H200's 4.8 TB/s), TFLOP/s, a dense bf16 matmul of the same shape beside it,
-and the largest difference from the PyTorch reference (``gguf_linear_ref``) relative to
-the largest output. Each timed call reads a different copy of the matrix, so that the
-weights come from HBM and not from L2. The matrices are random bytes with small fp16
-scales; no files are read.
+Each row: the kernel's time per call (after warm-up, replayed from a CUDA graph), the
+rate at which it reads the matrix's quantized bytes (GB/s and the share of the H200's
+4.8 TB/s), TFLOP/s, a dense bf16 matmul of the same shape beside it, and the largest
+difference from the PyTorch reference (``gguf_linear_ref``), as it is and relative to the
+largest output. Each timed call reads a different copy of the matrix, so that the weights
+come from HBM and not from L2. The matrices are random bytes with small fp16 scales; no
+files are read.
 """
 
 from __future__ import annotations
@@ -83,21 +84,21 @@ def measure(quant_type: str, name: str, weights: list[GGUFWeight], m: int,
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=gen)
     out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
     ref = gguf_linear_ref(x, weights[0])
-    err = ((gguf_linear(x, weights[0]).float() - ref.float()).abs().max()
-           / ref.float().abs().max()).item()
+    err = (gguf_linear(x, weights[0]).float() - ref.float()).abs().max().item()
+    rel = err / ref.float().abs().max().item()
     us = time_us([lambda w=w: gguf_linear(x, w, out=out) for w in weights])
     dense = weights[0].dequantize(torch.bfloat16)
     dense_us = time_us([lambda: torch.mm(x, dense.t(), out=out)])
     gbs = weight_bytes(weights[0]) / us / 1e3
     print(f"{quant_type:6} {name:8} {n:6} {k:6} {m:4} {us:8.1f} {gbs:7.0f} "
           f"{100 * gbs * 1e9 / HBM_PEAK:5.1f} {2 * m * n * k / us / 1e6:8.2f} "
-          f"{dense_us:8.1f} {err:8.1e}", flush=True)
+          f"{dense_us:8.1f} {err:8.1e} {rel:8.1e}", flush=True)
 
 
 def table(types: list[str], ms: list[int]) -> None:
     gen = torch.Generator(device="cuda").manual_seed(0)
     print(f"{'type':6} {'shape':8} {'N':>6} {'K':>6} {'M':>4} {'us':>8} {'GB/s':>7} "
-          f"{'%HBM':>5} {'TFLOP/s':>8} {'bf16 us':>8} {'max err':>8}")
+          f"{'%HBM':>5} {'TFLOP/s':>8} {'bf16 us':>8} {'max err':>8} {'rel err':>8}")
     for quant_type in types:
         for name, (n, k) in SHAPES.items():
             try:

@@ -157,6 +157,15 @@ def test_gemv_kernel_for_several_rows(quant_type: str, m: int) -> None:
         _check_close(out, want)
 
 
+@pytest.mark.parametrize("quant_type", ["Q4_K", "Q6_K", "IQ4_XS"])
+def test_gemm_many_rows(quant_type: str) -> None:
+    """Past 64 rows the GEMM tile is not transposed and K is not split."""
+    w = _weight(quant_type, N, 256, seed=11)
+    x = torch.randn(72, 256, generator=torch.Generator().manual_seed(1)).to(DEVICE,
+                                                                             torch.bfloat16)
+    _check_close(gguf_linear(x, w), gguf_linear_ref(x, w))
+
+
 @pytest.mark.parametrize("quant_type", ["Q4_K", "Q8_0"])
 def test_kernels_without_split_k(quant_type: str) -> None:
     w = _weight(quant_type, N, 512, seed=5)

@@ -29,7 +29,8 @@ reduction across the program's threads gives the outputs.
 
 GEMM: [BLOCK_M, BLOCK_N] output tiles (``GEMM_CONFIGS``); each part of a chunk's weight
 tile is dequantized, cast to the activation dtype and multiplied on the tensor cores, with
-fp32 accumulation (float32 activations use IEEE fp32 products, not TF32).
+fp32 accumulation (float32 activations use IEEE fp32 products, not TF32). Up to 64 rows
+the tile is computed transposed, weight rows first, for the MMA shapes that suits.
 
 Split-K: when the output tiles alone give too few programs to fill the GPU
 (``SPLIT_PROGRAMS_PER_SM``), K is split across programs. Each writes its fp32 partial
@@ -62,18 +63,20 @@ CHUNK = 256
 # GEMV multiplies on the FP32 units, an FMA per weight and row; the GEMM's 16-row tile
 # costs the same at any M up to 16. Counted in their sm_90 code, for Q4_0, Q4_K, Q8_0 and
 # Q6_K, the GEMV issues 4.1-7.1 instructions per weight at one row, 5.5-8.8 at two and
-# 8.5-12.1 at four, the GEMM 6.6-10.0. The GEMV runs any M up to 8;
+# 8.5-12.1 at four, the GEMM 5.5-9.1. The GEMV runs any M up to 8;
 # benchmarks/gguf_kernels.py --cutover times both kernels.
 GEMV_MAX_M = 2
 # GEMV: weight rows per program and warps per program.
 GEMV_BLOCK_N = 64
 GEMV_WARPS = 4
-# GEMM: (BLOCK_M, BLOCK_N, num_warps, num_stages) for up to the given number of rows; the
-# last entry serves every larger M. All compile for sm_90 without spills, within 227 KB of
-# shared memory.
-GEMM_CONFIGS: tuple[tuple[int, tuple[int, int, int, int]], ...] = (
-    (16, (16, 64, 4, 3)), (32, (32, 64, 8, 2)), (64, (64, 64, 8, 2)),
-    (1 << 62, (128, 64, 8, 2)))
+# GEMM: (BLOCK_M, BLOCK_N, num_warps, num_stages, SWAP) for up to the given number of
+# rows; the last entry serves every larger M. SWAP computes the tile as (W x^T)^T, which
+# puts the 64 weight rows on the MMA's M side: on sm_90 a warpgroup MMA instead of 16-row
+# mma.sync steps, for 15-35% fewer instructions per weight at up to 64 rows. All fit
+# in 227 KB of shared memory (for sm_90; Q5_0 and Q5_1 spill 56 bytes at 64 rows).
+GEMM_CONFIGS: tuple[tuple[int, tuple[int, int, int, int, bool]], ...] = (
+    (16, (16, 64, 4, 3, True)), (32, (32, 64, 4, 3, True)), (64, (64, 64, 4, 2, True)),
+    (1 << 62, (128, 64, 8, 2, False)))
 # Split-K: when the output tiles give fewer programs than this many per multiprocessor,
 # K is split across programs (the GEMV always, the GEMM up to GEMM_SPLIT_MAX_M rows,
 # past which the fp32 partial sums would cost more traffic than they save).
@@ -422,6 +425,7 @@ def _gemm_kernel(
     HAS_MIN: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
     SPLIT_K: tl.constexpr, DOT_PRECISION: tl.constexpr, WIDEN: tl.constexpr,
+    SWAP: tl.constexpr,
 ):
     # grouped order: GROUP_M consecutive programs share a weight tile (read through L2)
     pid = tl.program_id(0)
@@ -438,7 +442,10 @@ def _gemm_kernel(
     rows = tl.minimum(offs_n, N - 1).to(tl.int64)
     x_rows = x_ptr + tl.minimum(offs_m, M - 1).to(tl.int64)[:, None] * stride_xm
     dtype = x_ptr.dtype.element_ty
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if SWAP:  # acc^T: the weight rows on the MMA's M side
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     c_lo = pid_k * chunks_per_split
     c_hi = tl.minimum(c_lo + chunks_per_split, n_chunks)
     for c in range(c_lo, c_hi):
@@ -461,8 +468,15 @@ def _gemm_kernel(
             if WIDEN:  # exact: a product of two bfloat16 values fits a float32
                 w = w.to(tl.float32)
                 xt = xt.to(tl.float32)
-            acc = tl.dot(xt, tl.trans(w), acc, input_precision=DOT_PRECISION)
-    _finish(acc, ws_ptr, cnt_ptr, pid, pid_k, bias_ptr, out_ptr, offs_m, offs_n, M, N,
+            if SWAP:
+                acc = tl.dot(w, tl.trans(xt), acc, input_precision=DOT_PRECISION)
+            else:
+                acc = tl.dot(xt, tl.trans(w), acc, input_precision=DOT_PRECISION)
+    if SWAP:
+        res = tl.trans(acc)
+    else:
+        res = acc
+    _finish(res, ws_ptr, cnt_ptr, pid, pid_k, bias_ptr, out_ptr, offs_m, offs_n, M, N,
             stride_om, HAS_BIAS, SPLIT_K)
 
 
@@ -530,8 +544,8 @@ def _gemv(x: torch.Tensor, weight: GGUFWeight, bias: torch.Tensor | None,
             num_warps=GEMV_WARPS)
 
 
-def gemm_config(m: int) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages) of the GEMM for ``m`` activation rows."""
+def gemm_config(m: int) -> tuple[int, int, int, int, bool]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages, SWAP) of the GEMM for ``m`` rows."""
     for max_m, config in GEMM_CONFIGS:
         if m <= max_m:
             return config
@@ -542,7 +556,7 @@ def _gemm(x: torch.Tensor, weight: GGUFWeight, bias: torch.Tensor | None,
           out: torch.Tensor, splits: int | None = None) -> None:
     """The GEMM kernel into ``out``; ``splits`` overrides split_k's choice."""
     m, k = x.shape
-    block_m, block_n, warps, stages = gemm_config(m)
+    block_m, block_n, warps, stages, swap = gemm_config(m)
     tiles = triton.cdiv(m, block_m) * triton.cdiv(weight.rows, block_n)
     if splits is None:
         splits = split_k(tiles, triton.cdiv(k, CHUNK), x.device) \
@@ -553,7 +567,7 @@ def _gemm(x: torch.Tensor, weight: GGUFWeight, bias: torch.Tensor | None,
     _launch(_gemm_kernel, tiles, x, weight, bias, out, splits, BLOCK_M=block_m,
             BLOCK_N=block_n, GROUP_M=8,
             DOT_PRECISION="ieee" if x.dtype == torch.float32 or widen else "tf32",
-            WIDEN=widen, num_warps=warps, num_stages=stages)
+            WIDEN=widen, SWAP=swap, num_warps=warps, num_stages=stages)
 
 
 def _check(x: torch.Tensor, weight: GGUFWeight, bias: torch.Tensor | None,
