@@ -120,14 +120,26 @@ def test_unlisted_safetensors_names_the_files(tmp_path):
         iter_safetensors_weights(tmp_path, torch.float32)
 
 
-def test_int_tensor_is_refused_before_anything_is_yielded(tmp_path):
+def test_an_unsupported_dtype_is_refused_before_anything_is_yielded(tmp_path):
     save_file(
-        {"a.weight": torch.zeros(2, 2), "b.index": torch.zeros(3, dtype=torch.int64)},
+        {"a.weight": torch.zeros(2, 2), "b.index": torch.zeros(3, dtype=torch.float64)},
         str(tmp_path / "model.safetensors"),
     )
     # The refusal comes from the call itself, not from partway through iterating.
-    with pytest.raises(ValueError, match=r"'b\.index'.*I64"):
+    with pytest.raises(ValueError, match=r"'b\.index'.*F64"):
         iter_safetensors_weights(tmp_path, torch.float32)
+
+
+def test_quantized_dtypes_come_as_stored(tmp_path):
+    """fp8 weights and packed int32 words belong to a quantized checkpoint: not cast (the
+    layer's quantization method takes them, an unquantized layer refuses them)."""
+    save_file({"a.weight": torch.zeros(2, 2, dtype=torch.bfloat16),
+               "b.qweight": torch.zeros(3, dtype=torch.int32),
+               "c.weight": torch.zeros(2, dtype=torch.float8_e4m3fn)},
+              str(tmp_path / "model.safetensors"))
+    dtypes = {n: t.dtype for n, t in iter_safetensors_weights(tmp_path, torch.float32)}
+    assert dtypes == {"a.weight": torch.float32, "b.qweight": torch.int32,
+                      "c.weight": torch.float8_e4m3fn}
 
 
 def test_index_with_missing_shard_is_refused(tmp_path):
