@@ -205,7 +205,7 @@ def test_layers_route_one_streamed_row_through_the_fused_kernels(monkeypatch, wi
     for module in (norm, qkv, mlp):
         module.to(DEVICE)
     for linear in (qkv, mlp.gate_up_proj, mlp.down_proj):
-        linear.on_cuda, linear._skinny = True, skinny_gemm  # as binding to CUDA does
+        linear.on_cuda, linear.method.skinny = True, skinny_gemm  # as binding to CUDA does
     x = torch.randn(1, 48, generator=g).to(DEVICE)
     res = torch.randn(1, 48, generator=g).to(DEVICE) if with_residual else None
     monkeypatch.setattr(Linear, "streams_one_row", lambda self, t: False)
