@@ -100,6 +100,11 @@ def shard_view(layer: Linear, param: torch.Tensor, shard_id: Any, name: str) -> 
 _PLAIN = (torch.float32, torch.float16, torch.bfloat16)
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    """``bfloat16`` for ``torch.bfloat16``: the start-up line's spelling."""
+    return str(dtype).removeprefix("torch.")
+
+
 def copy_checked(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
     """``dst.copy_(src)`` after checking the shapes agree (a scalar may fill a [1]) and
     that a quantized value (fp8, packed int) goes only where that dtype is kept: copied

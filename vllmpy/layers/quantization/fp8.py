@@ -31,6 +31,7 @@ from vllmpy.layers.quantization.base import (
     QuantizationConfig,
     QuantizationError,
     copy_checked,
+    dtype_name,
     ignored,
     new_param,
     shard_view,
@@ -43,10 +44,6 @@ if TYPE_CHECKING:
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
 MIN_CAPABILITY = (8, 9)  # fp8 tensor-core operands
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 def quantize_per_tensor(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -193,7 +190,7 @@ class Fp8LinearMethod(LinearMethod):
     def describe(self, layer: Linear) -> str:
         acts = "static per-tensor" if self.static else (
             "dynamic per-group" if self.scheme == "block" else "dynamic per-token")
-        how = (f"dequantized to {_dtype_name(self.dense.dtype)} on the CPU"
+        how = (f"dequantized to {dtype_name(self.dense.dtype)} on the CPU"
                if self.dense is not None else f"W8A8, {acts} activations (Triton / cuBLAS)")
         origin = " (quantized at load)" if self.online else ""
         return f"{self.name}{origin} layer(s) {how}"

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils._pytree import tree_map
 
-from vllmpy.layers.quantization.base import LinearMethod, QuantizationConfig
+from vllmpy.layers.quantization.base import LinearMethod, QuantizationConfig, dtype_name
 
 if TYPE_CHECKING:
     from vllmpy.layers.linear import Linear
@@ -219,10 +219,6 @@ def _make_segment(offset: int, parts: list[torch.Tensor], kind: str, cols: int,
     return Segment(offset, rows, kind, qtype, weight)
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
 class GGUFLinearMethod(LinearMethod):
     """A linear layer of a GGUF model (see the module docstring)."""
 
@@ -303,15 +299,15 @@ class GGUFLinearMethod(LinearMethod):
                 hows.append("kept in GGUF blocks (Triton dequant-GEMV; prefill "
                             "dequantizes a transient copy for cuBLAS)")
             elif kind == "int4":
-                how = f"run 4-bit (CPU int4 matmul, {_dtype_name(self.dtype)})"
+                how = f"run 4-bit (CPU int4 matmul, {dtype_name(self.dtype)})"
                 if self.dense_beside is not None:
                     how += (f" up to {INT4_MAX_TOKENS_BESIDE_DENSE} tokens, dense "
-                            f"{_dtype_name(self.dense_beside.dtype)} above")
+                            f"{dtype_name(self.dense_beside.dtype)} above")
                 hows.append(how)
             elif kind == "cpu_quant":
-                hows.append(f"kept in GGUF blocks (CPU kernel, {_dtype_name(self.dtype)})")
+                hows.append(f"kept in GGUF blocks (CPU kernel, {dtype_name(self.dtype)})")
             else:
-                hows.append(f"dequantized to {_dtype_name(self.dtype)}")
+                hows.append(f"dequantized to {dtype_name(self.dtype)}")
         return f"{types} layer(s) " + " and ".join(hows)
 
 

@@ -20,6 +20,7 @@ from vllmpy.layers.quantization.base import (
     LinearMethod,
     QuantizationError,
     copy_checked,
+    dtype_name,
     new_param,
     shard_view,
 )
@@ -137,7 +138,7 @@ class Int4Method(LinearMethod):
     def describe(self, layer: Linear) -> str:
         sym = "symmetric" if self.symmetric else "asymmetric"
         group = "channel" if self.group == -1 else f"group {self.group}"
-        how = ("dequantized to " + str(self.model_dtype).removeprefix("torch.") +
+        how = ("dequantized to " + dtype_name(self.model_dtype) +
                " on the CPU" if self.dense is not None
                else "run int4 (Triton GEMV / dequant-GEMM)")
         order = ", act-order" if self.perm is not None else ""
