@@ -4,6 +4,7 @@ Qwen3-8B's projection shapes, against bf16 ``F.linear`` on the same shapes.
     python benchmarks/quant_kernels.py            # the table
     python benchmarks/quant_kernels.py --sweep    # also the one-row fp8 GEMV's launch
                                                   # configurations, best first
+    python benchmarks/quant_kernels.py --sweep-int4 --only-sweeps  # the int4 GEMV's
 
 Each case is timed as 20 calls replayed from a CUDA graph. One-row calls cycle through
 copies of the weight that together exceed L2, as a decode step's layers do. GB/s counts
@@ -22,7 +23,7 @@ import itertools
 import torch
 import torch.nn.functional as F
 
-from vllmpy.ops import fp8_gemm
+from vllmpy.ops import fp8_gemm, int4_gemm
 from vllmpy.ops.fp8_gemm import (
     FP8_DTYPE,
     fp8_block_linear,
@@ -155,15 +156,55 @@ def sweep() -> None:
         print(f"  {cfg}: " + " ".join(f"{t:7.2f}" for t in times) + f"  sum {total:7.2f}")
 
 
+def sweep_int4() -> None:
+    """The one-row packed int4 GEMV on each projection, over launch configurations, beside
+    the fp32 GEMV (the float32-activation path) on the same weights."""
+    print("\none-row int4 f16x2 GEMV: (byte rows a program, chunk, warps) -> us per projection")
+    default = int4_gemm.F16X2_BLOCK_J, int4_gemm.F16X2_CHUNK, int4_gemm.F16X2_WARPS
+    cases = {}
+    for name in ("qkv", "o", "gate_up", "down"):
+        n, k = SHAPES[name]
+        x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+        ws = copies_of(lambda n=n, k=k: int4_weight(n, k), n * k // 2, 1)
+        cases[name] = (x, ws)
+    fp32 = [gpu_us(lambda x=x, p=cycling(ws): int4_gemm._launch_gemv(x, p(), None))
+            for x, ws in cases.values()]
+    results = []
+    for cfg in itertools.product((8, 16, 32), (512, 1024, 2048), (2, 4, 8)):
+        int4_gemm.F16X2_BLOCK_J, int4_gemm.F16X2_CHUNK, int4_gemm.F16X2_WARPS = cfg
+        try:
+            times = [gpu_us(lambda x=x, p=cycling(ws): int4_linear(x, p()))
+                     for x, ws in cases.values()]
+        except Exception as exc:  # a configuration the compiler rejects
+            print(f"  {cfg} failed: {type(exc).__name__}: {str(exc)[:200]}")
+            continue
+        results.append((sum(times), cfg, times))
+    int4_gemm.F16X2_BLOCK_J, int4_gemm.F16X2_CHUNK, int4_gemm.F16X2_WARPS = default
+    nbytes = [w[0].nbytes for _, w in cases.values()]
+    print(f"  default {default}; the fp32 GEMV: " + " ".join(f"{t:7.2f}" for t in fp32))
+    for total, cfg, times in sorted(results)[:10]:
+        print(f"  {cfg}: " + " ".join(f"{t:7.2f}" for t in times) + f"  sum {total:7.2f}  "
+              + " ".join(f"{b / t / 1e3:5.0f}" for b, t in zip(nbytes, times)) + " GB/s")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sweep", action="store_true",
                         help="also time the one-row fp8 GEMV's launch configurations")
+    parser.add_argument("--sweep-int4", action="store_true",
+                        help="also time the one-row int4 GEMV's launch configurations")
+    parser.add_argument("--only-sweeps", action="store_true", help="skip the table")
     args = parser.parse_args()
     torch.manual_seed(0)
     cases = [("fp8 block", (1, 256, 8192)), ("fp8 scaled", (1, 256, 8192)),
              ("int4", (1, 256)), ("bf16", (1, 256, 8192))]
     rows: list = []
+    if args.sweep_int4:
+        sweep_int4()
+    if args.only_sweeps:
+        if args.sweep:
+            sweep()
+        return
     for kind, ms in cases:
         for m in ms:
             for name in SHAPES:

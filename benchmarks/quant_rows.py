@@ -1,6 +1,8 @@
 """The quantized-weight speed rows on one GPU, a short table last.
 
     python benchmarks/quant_rows.py --out DIR [--rows Q1,Q2,Q4,Q3] [--gguf FILE]
+                                    [--llama-bench BUILD/bin/llama-bench]
+    python benchmarks/quant_rows.py --write-gguf FILE   # only write Q1's file
 
 Q1: batch-1 decode (512 in / 256 out) of a Qwen3-8B-shaped GGUF in the Q4_K_M mix (q, k, o,
 gate, up and the embedding Q4_K; v, down and the output head Q6_K), kept in its blocks.
@@ -53,6 +55,9 @@ def write_q4_k_m_gguf(path: str) -> int:
     writer.add_value_length(HEAD_DIM)
     writer.add_layer_norm_rms_eps(1e-6)
     writer.add_rope_freq_base(1_000_000.0)
+    writer.add_vocab_size(VOCAB)
+    # no tokenizer: llama.cpp then loads the file with dummy tokens (its vocab type "none")
+    writer.add_tokenizer_model("none")
     q = gguf.GGMLQuantizationType
     total = 0
 
@@ -120,28 +125,67 @@ def gguf_decode(path: str, prompt_len: int = 512, new_tokens: int = 256) -> dict
     return {"row": "Q1", "decode_tok_s": decode, "ttft_s": times["first"]}
 
 
+def gguf_weight_bytes(path: str) -> int:
+    """The bytes of a GGUF's tensors, as stored."""
+    import gguf
+
+    return sum(int(t.n_bytes) for t in gguf.GGUFReader(path).tensors)
+
+
+def llama_bench(binary: str, path: str, prompt_len: int = 512, new_tokens: int = 256) -> dict:
+    """llama.cpp's ``llama-bench`` on the same file, all layers on the GPU, with and without
+    flash attention: its mean tg tok/s for each."""
+    import subprocess
+
+    cmd = [binary, "-m", path, "-p", str(prompt_len), "-n", str(new_tokens), "-ngl", "99",
+           "-fa", "0,1", "-r", "3", "-o", "json"]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0:
+        return {"llamacpp_error": done.stderr[-2000:]}
+    out = {}
+    for entry in json.loads(done.stdout):
+        if entry.get("n_gen", 0) == new_tokens and entry.get("n_prompt", 0) == 0:
+            fa = "fa1" if entry.get("flash_attn") in (1, True, "1", "on") else "fa0"
+            out[f"llamacpp_tg_{fa}"] = entry["avg_ts"]
+        elif entry.get("n_prompt", 0) == prompt_len and entry.get("n_gen", 0) == 0:
+            fa = "fa1" if entry.get("flash_attn") in (1, True, "1", "on") else "fa0"
+            out[f"llamacpp_pp_{fa}"] = entry["avg_ts"]
+    out["llamacpp_build"] = next((e.get("build_commit") for e in json.loads(done.stdout)), None)
+    return out
+
+
 def main() -> int:
     import subprocess
 
     p = argparse.ArgumentParser()
-    p.add_argument("--out", required=True)
+    p.add_argument("--out", required=False)
     p.add_argument("--rows", default="Q1,Q2,Q4,Q3")
     p.add_argument("--gguf", default=None, help="a Qwen3-8B Q4_K_M GGUF (else written)")
+    p.add_argument("--write-gguf", default=None, metavar="PATH",
+                   help="only write the random Q4_K_M GGUF to PATH and exit")
+    p.add_argument("--llama-bench", default=None, metavar="BIN",
+                   help="llama.cpp's llama-bench: Q1's peer on the same file")
     p.add_argument("--bandwidth", type=float, default=4270.0, help="copy GB/s")
     args = p.parse_args()
+    if args.write_gguf:
+        print(f"wrote {write_q4_k_m_gguf(args.write_gguf)} weight bytes to {args.write_gguf}")
+        return 0
+    if not args.out:
+        p.error("--out is required")
     os.makedirs(args.out, exist_ok=True)
     results = []
     for row in args.rows.split(","):
         if row == "Q1":
             path = args.gguf or os.path.join(args.out, "qwen3-8b-q4_k_m-random.gguf")
-            weight_bytes = None
-            if args.gguf is None:
-                weight_bytes = write_q4_k_m_gguf(path)
+            weight_bytes = gguf_weight_bytes(path) if args.gguf else write_q4_k_m_gguf(path)
             r = gguf_decode(path)
-            if weight_bytes is not None:
-                # per token: every matrix but the embedding (one row of it is read)
-                per_token = weight_bytes - VOCAB * HIDDEN * 144 // 256
-                r["roofline_tok_s"] = args.bandwidth * 1e9 / per_token
+            # per token: every matrix but the embedding (one row of it is read)
+            per_token = weight_bytes - VOCAB * HIDDEN * 144 // 256
+            r["roofline_tok_s"] = args.bandwidth * 1e9 / per_token
+            if args.llama_bench:
+                r.update(llama_bench(args.llama_bench, path))
+                if r.get("llamacpp_tg_fa1"):
+                    r["ratio_vs_llamacpp_fa1"] = r["decode_tok_s"] / r["llamacpp_tg_fa1"]
             if args.gguf is None:
                 os.remove(path)
             results.append(r)

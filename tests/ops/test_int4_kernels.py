@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from vllmpy.ops.int4_gemm import (
     Int4Packed,
     _launch_gemv,
+    _launch_gemv_f16x2,
     dequantize_int4,
     int4_linear,
     int4_linear_ref,
@@ -100,6 +101,40 @@ def test_gemv_split_k(split: int) -> None:
     x = torch.randn(1, 384, generator=torch.Generator().manual_seed(6)).to(DEVICE)
     bias = torch.randn(40, device=DEVICE)
     _assert_close(_launch_gemv(x, w, bias, split=split), int4_linear_ref(x, w, bias))
+
+
+@pytest.mark.parametrize("split", [1, 3])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_f16x2_gemv_split_and_dtypes(split: int, dtype: torch.dtype) -> None:
+    # the packed GEMV of 16-bit rows: odd N (a last high row past N), a bias, K splits
+    w, _, _, _ = make_weight(41, 512, 64, False, torch.bfloat16, 7)
+    x = torch.randn(1, 512, generator=torch.Generator().manual_seed(8)).to(DEVICE, dtype)
+    bias = torch.randn(41, generator=torch.Generator().manual_seed(9)).to(DEVICE, dtype)
+    out = _launch_gemv_f16x2(x, w, bias, split=split)
+    exact = F.linear(x.float(), dequantize_int4(w), bias.float()).to(dtype)
+    _assert_close(out, exact)
+
+
+def test_f16x2_gemv_wide_activation_range() -> None:
+    # bfloat16 activations beyond float16's range beside tiny ones: each tile is scaled
+    # by a power of two before its float16 products, so nothing overflows or vanishes
+    w, _, _, _ = make_weight(24, 256, 32, True, torch.bfloat16, 10)
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(1, 256, generator=g)
+    x[0, :32] *= 3e5  # the first group's tile
+    x[0, 64:96] *= 1e-6
+    x = x.to(DEVICE, torch.bfloat16)
+    out = _launch_gemv_f16x2(x, w, None, split=1)
+    assert torch.isfinite(out.float()).all()
+    exact = F.linear(x.float(), dequantize_int4(w)).to(torch.bfloat16)
+    _assert_close(out, exact)
+    # the tiny group alone still counts: its tile against the same tile in float32
+    x_small = torch.zeros_like(x)
+    x_small[0, 64:96] = x[0, 64:96]
+    out_small = _launch_gemv_f16x2(x_small, w, None, split=1)
+    exact_small = F.linear(x_small.float(), dequantize_int4(w)).to(torch.bfloat16)
+    assert exact_small.float().abs().max() > 0
+    _assert_close(out_small, exact_small)
 
 
 def test_refusals() -> None:
