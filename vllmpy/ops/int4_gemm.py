@@ -27,19 +27,29 @@ mantissa of 2^23 gives the float 2^23 + code (2^23 + 16 * code for a high nibble
 place), and subtracting 2^23 + zero (2^23 + 16 * zero) leaves the exact integer
 code - zero (16 times it, whose 1/16 goes into the scale).
 
-- ``int4_linear`` with one row: a GEMV. Each program owns a few byte rows, walks K in
-  chunks of whole groups held as [rows, groups, group] tiles, sums the products per group
-  and applies each group's scale once; it streams the packed weight once, splitting K
-  when N gives too few programs.
+- ``int4_linear`` with one float16 or bfloat16 row: the packed GEMV. A 32-bit word of a
+  byte row holds 4 columns of two weight rows; one lop3 makes an f16x2 pair of
+  1024 + code from two nibbles (the 0x6400 float16 exponent), sub.f16x2 takes the zero
+  away and fma.f16x2 multiplies by the activations, which are first scaled per tile by
+  a power of two into [1, 2) so no float16 sum can overflow; each instance of the
+  inline PTX sums 8 columns of both rows and returns them as fp32, and the group scale
+  and the tile's power of two are applied to that fp32 sum. The next chunk's words
+  load while one is summed. About 6 instructions a byte of codes where the fp32 GEMV
+  spends 15 (sm_90); under Triton's interpreter the same sums run in fp32 from the
+  same packed operands.
+- one float32 row (or K not a multiple of 4): the fp32 GEMV. Each program owns a few byte
+  rows, walks K in chunks of whole groups held as [rows, groups, group] tiles, sums the
+  exact fp32 products per group and applies each group's scale once.
+- Both stream the packed weight once, splitting K when N gives too few programs.
 - more rows: a dequantizing GEMM. Each K tile (inside one group) of byte rows is turned
   into two [b, BLOCK_K] tiles of x's dtype, (code - zero) * scale, and ``tl.dot`` adds
   x_tile @ tile.T into the two output ranges' accumulators (fp32; float32 activations
   use IEEE fp32 dots, not TF32). Up to 16 rows take one row tile, so the weight is read
   and dequantized once.
 
-Both spend about 7 instructions a weight on unpacking and the products (compiled for
-sm_90), so for few rows they are bound by instruction issue rather than by HBM
-bandwidth on an H200; packed f16x2 dequantization would be the next step there.
+On an H200 the one-row kernels still read well under HBM bandwidth (1.2-2.0 TB/s for
+the packed GEMV on Qwen3-8B's projections, 0.9-1.5 for the fp32 one); see
+docs/perf-log/int4-gemv.md.
 """
 
 from __future__ import annotations
@@ -56,7 +66,7 @@ from vllmpy.ops.checks import check_float, check_same_device
 from vllmpy.ops.paged_attention import num_multiprocessors
 from vllmpy.ops.pdl import pdl_args, pdl_wait
 
-# The one-row GEMV: GEMV_BLOCK_J byte rows (twice as many weight rows) a program, walked
+# The fp32 one-row GEMV (float32 activations): GEMV_BLOCK_J byte rows (twice as many weight rows) a program, walked
 # in GEMV_CHUNK-wide chunks on GEMV_WARPS warps: 4 KiB of codes a chunk, and Qwen3-8B's
 # projections (N >= 4,096) run at least 512 programs. Compiled for sm_90 its loop issues
 # about 15 instructions per byte of codes (7.5 a weight: extracting, widening,
@@ -70,7 +80,8 @@ GEMV_WARPS = 4
 # rounding it).
 GEMV_MIN_PROGRAMS_PER_SM = 1
 # The packed f16x2 GEMV (16-bit activations): F16X2_BLOCK_J byte rows a program, chunks
-# of F16X2_CHUNK columns in tiles of at most F16X2_SUB (inside one scale group).
+# of F16X2_CHUNK columns in tiles of at most F16X2_SUB (inside one scale group); the
+# fastest of 27 launch configurations on Qwen3-8B's projections on an H200.
 F16X2_BLOCK_J = 8
 F16X2_CHUNK = 1024
 F16X2_SUB = 128
