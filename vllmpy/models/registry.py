@@ -31,6 +31,7 @@ _MODELS: dict[str, ModelEntry] = {
     "MistralForCausalLM": ModelEntry("llama", "LlamaConfig", "LlamaForCausalLM"),
     "Qwen2ForCausalLM": ModelEntry("qwen2", "Qwen2Config", "LlamaForCausalLM", gguf="qwen2"),
     "Qwen3ForCausalLM": ModelEntry("qwen3", "Qwen3Config", "Qwen3ForCausalLM", gguf="qwen3"),
+    "Qwen3MoeForCausalLM": ModelEntry("qwen3_moe", "Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
     "GPT2LMHeadModel": ModelEntry("gpt2", "GPT2Config", "GPT2LMHeadModel", gguf="gpt2"),
     "OPTForCausalLM": ModelEntry("opt", "OPTConfig", "OPTForCausalLM"),
     "GPTNeoXForCausalLM": ModelEntry("gpt_neox", "GPTNeoXConfig", "GPTNeoXForCausalLM"),

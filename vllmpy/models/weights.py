@@ -31,6 +31,16 @@ PACKED_QKV_GATE_UP: dict[str, tuple[str, str | int]] = {
 }
 
 
+def _subtree_owner(name: str, subtrees: dict[str, nn.Module]) -> str | None:
+    """The module of ``subtrees`` whose name prefixes checkpoint name ``name``, if any."""
+    parts = name.split(".")
+    for i in range(len(parts) - 1, 0, -1):
+        prefix = ".".join(parts[:i])
+        if prefix in subtrees:
+            return prefix
+    return None
+
+
 def load_packed_weights(
     model: nn.Module,
     weights: Iterable[tuple[str, torch.Tensor]],
@@ -51,9 +61,17 @@ def load_packed_weights(
     linears = {n: m for n, m in modules.items() if isinstance(m, Linear)}
     linear_params = {f"{n}.{p}" for n, m in linears.items()
                      for p, _ in m.named_parameters(recurse=False)}
+    # layers that take a whole checkpoint subtree (a MoE layer's ``experts.N.*``)
+    subtrees = {n: m for n, m in modules.items() if hasattr(m, "load_expert_tensor")}
+    subtree_params = {f"{n}.{p}" for n, m in subtrees.items()
+                      for p, _ in m.named_parameters(recurse=False)}
     loaded: set[str] = set()
     for name, tensor in weights:
         if name.endswith(skip_suffixes):
+            continue
+        owner = _subtree_owner(name, subtrees) if subtrees else None
+        if owner is not None:
+            subtrees[owner].load_expert_tensor(name[len(owner) + 1:], tensor, name)
             continue
         target, shard_id = name, None
         parts = name.split(".")
@@ -75,8 +93,9 @@ def load_packed_weights(
             raise WeightLoadError(f"checkpoint tensor {name!r} has no matching model parameter")
         default_weight_loader(params[target], tensor, name)
         loaded.add(target)
-    missing = sorted(n for n in set(params) - loaded - linear_params)
+    missing = sorted(n for n in set(params) - loaded - linear_params - subtree_params)
     missing += [f"{n}.{m}" for n, layer in linears.items() for m in layer.missing()]
+    missing += [f"{n}.{m}" for n, layer in subtrees.items() for m in layer.missing()]
     if missing:
         raise WeightLoadError(
             f"checkpoint is missing {len(missing)} tensor(s) the model needs, e.g. {missing[:5]}")
