@@ -19,7 +19,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 CONFIGS = {"qwen3-0.6b": os.path.join(HERE, "configs", "qwen3-0.6b"),
            "qwen3-8b": os.path.join(HERE, "configs", "qwen3-8b"),
            # a 1B-class Gemma-3 (5 sliding-window layers to 1 global), in Qwen3-0.6B's rows
-           "gemma3-1b": os.path.join(HERE, "configs", "gemma3-1b")}
+           "gemma3-1b": os.path.join(HERE, "configs", "gemma3-1b"),
+           # Qwen3-30B-A3B's config: 48 layers of 128 experts, 8 active
+           "qwen3-30b-a3b": os.path.join(HERE, "configs", "qwen3-30b-a3b")}
 
 # row -> (model, vllm-bench arguments)
 ROWS = {
@@ -36,6 +38,11 @@ ROWS = {
     "G3": ("gemma3-1b", ["--warmup", "32", "--num-prompts", "256", "--input-len", "100:1024",
                          "--output-len", "100:1024", "--max-num-seqs", "256",
                          "--max-num-batched-tokens", "8192", "--num-blocks", "16384"]),
+    "E1": ("qwen3-30b-a3b", ["--warmup", "1", "--num-prompts", "1", "--input-len", "512",
+                             "--output-len", "256", "--num-blocks", "512"]),
+    "E2": ("qwen3-30b-a3b", ["--warmup", "32", "--num-prompts", "256", "--input-len",
+                             "100:1024", "--output-len", "100:1024", "--max-num-seqs", "256",
+                             "--max-num-batched-tokens", "8192", "--num-blocks", "16384"]),
     "P4": ("qwen3-8b", ["--warmup", "32", "--num-prompts", "1000", "--input-len", "1024",
                         "--output-len", "512", "--max-num-seqs", "256",
                         "--max-num-batched-tokens", "8192", "--num-blocks", "12288"]),

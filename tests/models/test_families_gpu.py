@@ -52,6 +52,9 @@ FAMILIES: dict[str, tuple[str, dict]] = {
     "CohereForCausalLM": ("CohereConfig", dict(BASE, logit_scale=0.5)),
     "Cohere2ForCausalLM": ("Cohere2Config", dict(BASE, sliding_window=12,
                                                  layer_types=WINDOWED)),
+    "Qwen3MoeForCausalLM": ("Qwen3MoeConfig", dict(
+        BASE, head_dim=16, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
+        norm_topk_prob=True, mlp_only_layers=[1])),
 }
 
 
@@ -84,7 +87,7 @@ def _build(arch: str, path) -> tuple[torch.nn.Module, int]:
     model = getattr(tf, arch)(getattr(tf, cls)(**kwargs))
     with torch.no_grad():  # decisive logits: long greedy paths
         for name, p in model.named_parameters():
-            if p.dim() == 2:
+            if p.dim() >= 2:  # matrices, and stacked experts
                 p.normal_(0, 0.15)
             elif name.endswith("bias"):
                 p.normal_(0, 0.1)

@@ -13,9 +13,9 @@ Routing (``select_experts``) follows the Hugging Face modeling files:
 and the down projections as ``w2`` [E, H, I], loaded from a checkpoint's per-expert
 tensors (``experts.N.gate_proj.weight`` ...). Its native forward sorts the (token, expert)
 pairs by expert and runs one matmul pair per expert that has tokens, then adds each
-product, times its routing weight, into its token's row: no Python loop over tokens. The
-grouped CUDA kernel is not built yet, so binding the layer to a CUDA device is refused by
-name rather than run through the host-synchronising native path inside CUDA graphs.
+product, times its routing weight, into its token's row: no Python loop over tokens. On
+CUDA it runs ``vllmpy.ops.fused_moe``: two grouped GEMMs over the pairs sorted by expert,
+with no host synchronisation, so decode steps are captured in CUDA graphs.
 """
 
 from __future__ import annotations
@@ -134,11 +134,11 @@ class FusedMoE(CustomOp):
         return [f"{e}.{self.names[p]}.weight" for e in range(self.num_experts)
                 for p in range(3) if (e, p) not in self._filled]
 
-    def bind_device(self, device: torch.device) -> None:
-        if device.type == "cuda":
-            raise ConfigError("Mixture-of-Experts layers run on the CPU only in this version: "
-                              "the grouped CUDA kernel is not built yet (use --device cpu)")
-        super().bind_device(device)
+    def forward_cuda(self, x: torch.Tensor, weights: torch.Tensor,
+                     ids: torch.Tensor) -> torch.Tensor:
+        from vllmpy.ops.fused_moe import fused_moe
+
+        return fused_moe(x, self.w13, self.w2, weights, ids)
 
     def forward_native(self, x: torch.Tensor, weights: torch.Tensor,
                        ids: torch.Tensor) -> torch.Tensor:
