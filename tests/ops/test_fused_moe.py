@@ -37,6 +37,15 @@ def test_align_pads_each_expert_run() -> None:
     assert seen == {0: [1, 5], 2: [0, 2, 4], 3: [3]}  # expert 1 and 4 get no block
 
 
+@pytest.mark.parametrize("pairs,experts", [(1, 4), (6, 5), (64, 128), (64, 3)])
+def test_one_program_alignment_equals_the_sort(pairs: int, experts: int) -> None:
+    g = torch.Generator().manual_seed(pairs + experts)
+    ids = torch.randint(0, experts, (pairs, 1), generator=g).to(DEVICE)
+    kernel = align_by_expert(ids, experts, one_program=True)
+    sort = align_by_expert(ids, experts, one_program=False)
+    assert torch.equal(kernel[0], sort[0]) and torch.equal(kernel[1], sort[1])
+
+
 @pytest.mark.parametrize("tokens,top_k,experts", [(1, 2, 4), (7, 2, 8), (40, 3, 6)])
 def test_matches_reference_on_random_routings(tokens: int, top_k: int, experts: int) -> None:
     h, i = 48, 40  # neither a multiple of the 64-wide tiles

@@ -6,7 +6,8 @@ weights w13 [E, 2I, H] (gate rows, then up rows) and w2 [E, H, I]:
 1. ``align_by_expert`` sorts the T * k (token, slot) pairs by expert and pads each
    expert's run to a multiple of BLOCK_M: ``sorted_pairs`` holds pair indices (T * k
    marks padding) and ``block_expert`` the expert of each BLOCK_M block (E past the
-   last one). Every size is fixed by T, k, E and BLOCK_M and nothing is read back to the
+   last one). A decode step's few pairs take one Triton program; more take PyTorch's
+   stable sort. Every size is fixed by T, k, E and BLOCK_M and nothing is read back to the
    host, so a decode step with it can be captured in a CUDA graph.
 2. ``_gate_up_kernel``: for each block and tile of I columns it gathers the block's token
    rows of x, multiplies them by its expert's gate and up tiles (two fp32 accumulators)
@@ -31,12 +32,63 @@ import triton.language as tl
 BLOCK_M = 16
 
 
-def align_by_expert(ids: torch.Tensor, num_experts: int,
-                    block_m: int = BLOCK_M) -> tuple[torch.Tensor, torch.Tensor]:
+# up to this many (token, slot) pairs are aligned by one Triton program (a decode step);
+# more by PyTorch's sort
+ALIGN_ONE_PROGRAM = 64
+
+
+@triton.jit
+def _align_kernel(ids_ptr, sorted_ptr, block_expert_ptr, num_pairs, capacity,
+                  num_experts, PAIRS: tl.constexpr, EXPERTS: tl.constexpr,
+                  SLOTS: tl.constexpr, BLOCKS: tl.constexpr, BLOCK_M: tl.constexpr):
+    # align_by_expert in one program: counts, padded run starts, each pair's rank among
+    # the earlier pairs of its expert (a [PAIRS, PAIRS] comparison), the scatter, and
+    # each block's expert
+    offs = tl.arange(0, PAIRS)
+    ok = offs < num_pairs
+    expert = tl.load(ids_ptr + offs, mask=ok, other=num_experts).to(tl.int32)
+    offs_e = tl.arange(0, EXPERTS)
+    counts = tl.sum((expert[:, None] == offs_e[None, :]).to(tl.int32), axis=0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    padded_end = tl.cumsum(padded, axis=0)
+    padded_start = padded_end - padded
+    earlier = (expert[None, :] == expert[:, None]) & (offs[None, :] < offs[:, None])
+    rank = tl.sum(earlier.to(tl.int32), axis=1)
+    start = tl.sum(tl.where(offs_e[None, :] == expert[:, None], padded_start[None, :], 0),
+                   axis=1)
+    slots = tl.arange(0, SLOTS)
+    tl.store(sorted_ptr + slots, tl.zeros((SLOTS,), dtype=tl.int32) + num_pairs,
+             mask=slots < capacity)
+    tl.debug_barrier()
+    tl.store(sorted_ptr + start + rank, offs, mask=ok)
+    blocks = tl.arange(0, BLOCKS)
+    owner = tl.sum((padded_end[None, :] <= blocks[:, None] * BLOCK_M).to(tl.int32)
+                   * (offs_e[None, :] < num_experts).to(tl.int32), axis=1)
+    tl.store(block_expert_ptr + blocks, owner, mask=blocks * BLOCK_M < capacity)
+
+
+def align_by_expert(ids: torch.Tensor, num_experts: int, block_m: int = BLOCK_M,
+                    one_program: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(sorted_pairs [T * k + E * (block_m - 1)], block_expert [that / block_m]) of expert
-    ids [T, k]; see the module docstring."""
+    ids [T, k]; see the module docstring. ``one_program`` picks the one-program Triton
+    kernel (default: for up to ALIGN_ONE_PROGRAM pairs) over PyTorch's sort; both give
+    the same arrays."""
     flat = ids.reshape(-1).to(torch.int64)
     pairs = flat.numel()
+    if one_program is None:
+        one_program = 0 < pairs <= ALIGN_ONE_PROGRAM and num_experts <= 1024
+    if one_program:
+        capacity = triton.cdiv(pairs + num_experts * (block_m - 1), block_m) * block_m
+        sorted_pairs = torch.empty(capacity, dtype=torch.int32, device=ids.device)
+        block_expert = torch.empty(capacity // block_m, dtype=torch.int32, device=ids.device)
+        _align_kernel[(1,)](
+            flat, sorted_pairs, block_expert, pairs, capacity, num_experts,
+            PAIRS=max(16, triton.next_power_of_2(pairs)),
+            EXPERTS=max(16, triton.next_power_of_2(num_experts)),
+            SLOTS=triton.next_power_of_2(capacity),
+            BLOCKS=max(16, triton.next_power_of_2(capacity // block_m)), BLOCK_M=block_m,
+            num_warps=8)
+        return sorted_pairs, block_expert
     counts = torch.zeros(num_experts, dtype=torch.int64, device=ids.device)
     counts.scatter_add_(0, flat, torch.ones_like(flat))
     padded = (counts + block_m - 1) // block_m * block_m
@@ -156,15 +208,19 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: tor
     ieee = _ieee(x)
     blocks = block_expert.numel()
     inter = torch.empty((pairs, inter_size), dtype=x.dtype, device=x.device)
-    block_k = 32 if ieee else 64
-    _gate_up_kernel[(blocks, triton.cdiv(inter_size, 64))](
+    # few pairs (decode): narrow column tiles, so the chosen experts' weights are
+    # streamed by many programs at once
+    few = pairs <= ALIGN_ONE_PROGRAM
+    block_k = 32 if ieee else (128 if few else 64)
+    n_gate, n_down = (16, 32) if few else (64, 64)
+    _gate_up_kernel[(blocks, triton.cdiv(inter_size, n_gate))](
         x, w13, inter, sorted_pairs, block_expert, pairs, top_k, hidden, inter_size,
         num_experts, x.stride(0), w13.stride(0), w13.stride(1), inter.stride(0), IEEE=ieee,
-        BLOCK_M=BLOCK_M, BLOCK_N=64, BLOCK_K=block_k, num_warps=4)
+        BLOCK_M=BLOCK_M, BLOCK_N=n_gate, BLOCK_K=block_k, num_warps=4)
     per_pair = torch.empty((pairs, hidden), dtype=torch.float32, device=x.device)
-    _down_kernel[(blocks, triton.cdiv(hidden, 64))](
+    _down_kernel[(blocks, triton.cdiv(hidden, n_down))](
         inter, w2, per_pair, sorted_pairs, block_expert,
         weights.reshape(-1).to(torch.float32).contiguous(), pairs, hidden, inter_size,
         num_experts, inter.stride(0), w2.stride(0), w2.stride(1), per_pair.stride(0),
-        IEEE=ieee, BLOCK_M=BLOCK_M, BLOCK_N=64, BLOCK_K=block_k, num_warps=4)
+        IEEE=ieee, BLOCK_M=BLOCK_M, BLOCK_N=n_down, BLOCK_K=block_k, num_warps=4)
     return per_pair.view(tokens, top_k, hidden).sum(dim=1).to(x.dtype)
