@@ -100,3 +100,8 @@ def test_expert_loading_and_refusals() -> None:
         moe.load_expert_tensor("0.down_proj.weight", gate, "e.0.down_proj.weight")
     with pytest.raises(ValueError, match="no matching"):
         moe.load_expert_tensor("0.w1.weight", gate, "e.0.w1.weight")
+    with pytest.raises(ValueError, match="quantized MoE experts"):
+        moe.load_expert_tensor("0.up_proj.qweight", gate.int(), "e.0.up_proj.qweight")
+    with pytest.raises(ValueError, match="quantized MoE experts"):
+        moe.load_expert_tensor("0.up_proj.weight", gate.to(torch.float8_e4m3fn),
+                               "e.0.up_proj.weight")

@@ -114,9 +114,13 @@ class FusedMoE(CustomOp):
         """Copy checkpoint tensor ``name``, whose part under this layer is ``rest``
         (``"3.gate_proj.weight"``), into its expert's slice."""
         parts = rest.split(".")
-        if (len(parts) != 3 or not parts[0].isdigit() or parts[1] not in self.names
-                or parts[2] != "weight"):
+        if len(parts) != 3 or not parts[0].isdigit() or parts[1] not in self.names:
             raise ValueError(f"checkpoint tensor {name!r} has no matching model parameter")
+        if parts[2] != "weight" or tensor.dtype not in (torch.float32, torch.bfloat16,
+                                                        torch.float16):
+            raise ValueError(f"checkpoint tensor {name!r} ({tensor.dtype}): quantized MoE "
+                             "experts are not supported yet, only float16 / bfloat16 / "
+                             "float32 expert weights")
         expert, proj = int(parts[0]), self.names.index(parts[1])
         if expert >= self.num_experts:
             raise ValueError(f"checkpoint tensor {name!r} names expert {expert}; the "
