@@ -52,6 +52,9 @@ FAMILIES: dict[str, tuple[str, dict]] = {
     "CohereForCausalLM": ("CohereConfig", dict(BASE, logit_scale=0.5)),
     "Cohere2ForCausalLM": ("Cohere2Config", dict(BASE, sliding_window=12,
                                                  layer_types=WINDOWED)),
+    "MixtralForCausalLM": ("MixtralConfig", dict(
+        BASE, intermediate_size=48, num_local_experts=6, num_experts_per_tok=2,
+        sliding_window=12)),
     "Qwen3MoeForCausalLM": ("Qwen3MoeConfig", dict(
         BASE, head_dim=16, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
         norm_topk_prob=True, mlp_only_layers=[1])),

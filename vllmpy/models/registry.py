@@ -29,6 +29,7 @@ class ModelEntry:
 _MODELS: dict[str, ModelEntry] = {
     "LlamaForCausalLM": ModelEntry("llama", "LlamaConfig", "LlamaForCausalLM", gguf="llama"),
     "MistralForCausalLM": ModelEntry("llama", "LlamaConfig", "LlamaForCausalLM"),
+    "MixtralForCausalLM": ModelEntry("mixtral", "MixtralConfig", "MixtralForCausalLM"),
     "Qwen2ForCausalLM": ModelEntry("qwen2", "Qwen2Config", "LlamaForCausalLM", gguf="qwen2"),
     "Qwen3ForCausalLM": ModelEntry("qwen3", "Qwen3Config", "Qwen3ForCausalLM", gguf="qwen3"),
     "Qwen3MoeForCausalLM": ModelEntry("qwen3_moe", "Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
