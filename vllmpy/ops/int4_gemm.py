@@ -34,8 +34,8 @@ code - zero (16 times it, whose 1/16 goes into the scale).
   a power of two into [1, 2) so no float16 sum can overflow; each instance of the
   inline PTX sums 8 columns of both rows and returns them as fp32, and the group scale
   and the tile's power of two are applied to that fp32 sum. The next chunk's words
-  load while one is summed. About 6 instructions a byte of codes where the fp32 GEMV
-  spends 15 (sm_90); under Triton's interpreter the same sums run in fp32 from the
+  load while one is summed. About 7.5 instructions a byte of codes where the fp32 GEMV
+  spends 15.6 (sm_90, 8 byte rows a program); under Triton's interpreter the same sums run in fp32 from the
   same packed operands.
 - one float32 row (or K not a multiple of 4): the fp32 GEMV. Each program owns a few byte
   rows, walks K in chunks of whole groups held as [rows, groups, group] tiles, sums the
