@@ -540,23 +540,29 @@ def gemv_split(n_programs: int, n_chunks: int, num_sms: int) -> int:
     return max(1, min(n_chunks, triton.cdiv(want, n_programs)))
 
 
-def _launch_gemv(x: torch.Tensor, w: Int4Packed, bias: torch.Tensor | None,
-                 split: int | None = None) -> torch.Tensor:
-    k = w.K
-    h = w.qweight.shape[0]
-    n_groups = k // w.group
-    chunk = min(GEMV_CHUNK, max(16, triton.next_power_of_2(k)))
-    sub = chunk if n_groups == 1 else min(w.group, chunk)
-    n_chunks = triton.cdiv(k, chunk)
-    tiles = triton.cdiv(h, GEMV_BLOCK_J)
+def _gemv_split_out(x: torch.Tensor, w: Int4Packed, tiles: int, chunk: int,
+                    split: int | None) -> tuple[int, int, torch.Tensor]:
+    """(splits, columns a split, output) of a one-row launch of ``tiles`` row tiles over
+    K in ``chunk``-wide chunks: split K by ``gemv_split`` unless ``split`` is given; a
+    split launch adds into a zeroed fp32 output."""
+    n_chunks = triton.cdiv(w.K, chunk)
     if split is None:
         split = gemv_split(tiles, n_chunks, num_multiprocessors(x.device))
     k_per_split = triton.cdiv(n_chunks, split) * chunk
-    split = triton.cdiv(k, k_per_split)
+    split = triton.cdiv(w.K, k_per_split)
     if split > 1:
-        out = torch.zeros((1, w.N), dtype=torch.float32, device=x.device)
-    else:
-        out = torch.empty((1, w.N), dtype=x.dtype, device=x.device)
+        return split, k_per_split, torch.zeros((1, w.N), dtype=torch.float32, device=x.device)
+    return split, k_per_split, torch.empty((1, w.N), dtype=x.dtype, device=x.device)
+
+
+def _launch_gemv(x: torch.Tensor, w: Int4Packed, bias: torch.Tensor | None,
+                 split: int | None = None) -> torch.Tensor:
+    k, h = w.K, w.qweight.shape[0]
+    n_groups = k // w.group
+    chunk = min(GEMV_CHUNK, max(16, triton.next_power_of_2(k)))
+    sub = chunk if n_groups == 1 else min(w.group, chunk)
+    tiles = triton.cdiv(h, GEMV_BLOCK_J)
+    split, k_per_split, out = _gemv_split_out(x, w, tiles, chunk, split)
     _int4_gemv_kernel[(tiles, split)](
         x, w.qweight, w.scales, w.zeros if w.zeros is not None else w.qweight,
         bias if bias is not None else w.scales, out, w.N, k, h, n_groups, w.group,
@@ -568,25 +574,15 @@ def _launch_gemv(x: torch.Tensor, w: Int4Packed, bias: torch.Tensor | None,
 
 def _launch_gemv_f16x2(x: torch.Tensor, w: Int4Packed, bias: torch.Tensor | None,
                        split: int | None = None) -> torch.Tensor:
-    k = w.K
-    h = w.qweight.shape[0]
-    n_groups = k // w.group
+    k, h = w.K, w.qweight.shape[0]
     sub = max(16, min(F16X2_SUB, w.group, triton.next_power_of_2(k)))
     chunk = max(sub, min(F16X2_CHUNK, triton.next_power_of_2(k)))
-    n_chunks = triton.cdiv(k, chunk)
     tiles = triton.cdiv(h, F16X2_BLOCK_J)
-    if split is None:
-        split = gemv_split(tiles, n_chunks, num_multiprocessors(x.device))
-    k_per_split = triton.cdiv(n_chunks, split) * chunk
-    split = triton.cdiv(k, k_per_split)
-    if split > 1:
-        out = torch.zeros((1, w.N), dtype=torch.float32, device=x.device)
-    else:
-        out = torch.empty((1, w.N), dtype=x.dtype, device=x.device)
+    split, k_per_split, out = _gemv_split_out(x, w, tiles, chunk, split)
     _int4_gemv_f16x2_kernel[(tiles, split)](
         x, w.qweight, w.scales, w.zeros if w.zeros is not None else w.qweight,
-        bias if bias is not None else w.scales, out, w.N, k, k // 4, h, n_groups, w.group,
-        k_per_split, HAS_ZEROS=w.zeros is not None, HAS_BIAS=bias is not None,
+        bias if bias is not None else w.scales, out, w.N, k, k // 4, h, k // w.group,
+        w.group, k_per_split, HAS_ZEROS=w.zeros is not None, HAS_BIAS=bias is not None,
         SPLIT=split > 1, BLOCK_J=F16X2_BLOCK_J, GROUPS=chunk // sub, SUB=sub,
         USE_ASM=not _interpreted(x.device), num_warps=F16X2_WARPS, **pdl_args(x.device))
     return out.to(x.dtype) if split > 1 else out
