@@ -167,14 +167,13 @@ def sweep_int4() -> None:
         x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
         ws = copies_of(lambda n=n, k=k: int4_weight(n, k), n * k // 2, 1)
         cases[name] = (x, ws)
-    fp32 = [gpu_us(lambda x=x, p=cycling(ws): int4_gemm._launch_gemv(x, p(), None))
-            for x, ws in cases.values()]
+    picks = [(x, cycling(ws)) for x, ws in cases.values()]
+    fp32 = [gpu_us(lambda x=x, p=p: int4_gemm._launch_gemv(x, p(), None)) for x, p in picks]
     results = []
     for cfg in itertools.product((8, 16, 32), (512, 1024, 2048), (2, 4, 8)):
         int4_gemm.F16X2_BLOCK_J, int4_gemm.F16X2_CHUNK, int4_gemm.F16X2_WARPS = cfg
         try:
-            times = [gpu_us(lambda x=x, p=cycling(ws): int4_linear(x, p()))
-                     for x, ws in cases.values()]
+            times = [gpu_us(lambda x=x, p=p: int4_linear(x, p())) for x, p in picks]
         except Exception as exc:  # a configuration the compiler rejects
             print(f"  {cfg} failed: {type(exc).__name__}: {str(exc)[:200]}")
             continue

@@ -98,7 +98,6 @@ def test_config_reading_and_refusals():
 
 
 def test_missing_expert_is_refused_by_name(tiny, tmp_path):
-    import json
     import shutil
 
     import safetensors.torch as st
@@ -110,6 +109,5 @@ def test_missing_expert_is_refused_by_name(tiny, tmp_path):
     del tensors["model.layers.2.mlp.experts.5.down_proj.weight"]
     st.save_file(tensors, str(tmp_path / "model.safetensors"))
     shutil.copy(path / "config.json", tmp_path / "config.json")
-    json.loads((tmp_path / "config.json").read_text())
     with pytest.raises(Exception, match=r"layers\.2\.mlp\.experts\.5\.down_proj"):
         _llm(tmp_path)

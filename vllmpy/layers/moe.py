@@ -124,12 +124,12 @@ class FusedMoE(CustomOp):
         expert, proj = int(parts[0]), self.names.index(parts[1])
         if expert >= self.num_experts:
             raise ValueError(f"checkpoint tensor {name!r} names expert {expert}; the "
-                                  f"config has {self.num_experts}")
+                             f"config has {self.num_experts}")
         i = self.intermediate_size
         dest = (self.w13.data[expert, :i], self.w13.data[expert, i:], self.w2.data[expert])[proj]
         if tuple(tensor.shape) != tuple(dest.shape):
             raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
-                                  f"expected {tuple(dest.shape)}")
+                             f"expected {tuple(dest.shape)}")
         dest.copy_(tensor)
         self._filled.add((expert, proj))
 

@@ -109,7 +109,7 @@ def align_by_expert(ids: torch.Tensor, num_experts: int, block_m: int = BLOCK_M,
 
 @triton.jit
 def _gate_up_kernel(x_ptr, w_ptr, out_ptr, pairs_ptr, block_expert_ptr, num_pairs, top_k,
-                    H, I, num_experts, stride_xm, stride_we, stride_wn, stride_om,
+                    H, inter, num_experts, stride_xm, stride_we, stride_wn, stride_om,
                     IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     BLOCK_K: tl.constexpr):
     pid_m = tl.program_id(0)
@@ -120,12 +120,12 @@ def _gate_up_kernel(x_ptr, w_ptr, out_ptr, pairs_ptr, block_expert_ptr, num_pair
         row_ok = pair < num_pairs
         token = pair // top_k
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_ok = offs_n < I
+        n_ok = offs_n < inter
         offs_k = tl.arange(0, BLOCK_K)
         x_rows = x_ptr + token[:, None].to(tl.int64) * stride_xm
         w_base = w_ptr + expert.to(tl.int64) * stride_we
         gate_rows = w_base + offs_n[None, :].to(tl.int64) * stride_wn
-        up_rows = w_base + (offs_n + I)[None, :].to(tl.int64) * stride_wn
+        up_rows = w_base + (offs_n + inter)[None, :].to(tl.int64) * stride_wn
         gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, H, BLOCK_K):
@@ -148,7 +148,7 @@ def _gate_up_kernel(x_ptr, w_ptr, out_ptr, pairs_ptr, block_expert_ptr, num_pair
 
 @triton.jit
 def _down_kernel(a_ptr, w_ptr, out_ptr, pairs_ptr, block_expert_ptr, weights_ptr,
-                 num_pairs, H, I, num_experts, stride_am, stride_we, stride_wn, stride_om,
+                 num_pairs, H, inter, num_experts, stride_am, stride_we, stride_wn, stride_om,
                  IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  BLOCK_K: tl.constexpr):
     pid_m = tl.program_id(0)
@@ -164,9 +164,9 @@ def _down_kernel(a_ptr, w_ptr, out_ptr, pairs_ptr, block_expert_ptr, weights_ptr
         w_rows = (w_ptr + expert.to(tl.int64) * stride_we
                   + offs_n[None, :].to(tl.int64) * stride_wn)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, I, BLOCK_K):
+        for k0 in range(0, inter, BLOCK_K):
             k = k0 + offs_k
-            k_ok = k < I
+            k_ok = k < inter
             a = tl.load(a_rows + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             w = tl.load(w_rows + k[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0)
             if IEEE:
