@@ -42,6 +42,9 @@ _VARIABLES: dict[str, Callable[[], Any]] = {
     ),
     # "1" prints one line per load phase with its wall time to stderr.
     "VT_LOAD_STATS": lambda: os.environ.get("VT_LOAD_STATS", "0") == "1",
+    # "1" counts the tokens each MoE layer routes to each expert and prints a summary of
+    # the load (per layer and overall) to stderr when the process exits.
+    "VT_MOE_STATS": lambda: os.environ.get("VT_MOE_STATS", "0") == "1",
     # Cap on max_tokens when a request leaves it unset (or <= 0); unset means no cap.
     "VT_SERVER_MAX_NEW_TOKENS": lambda: _opt_int("VT_SERVER_MAX_NEW_TOKENS"),
     # Seconds of silence on a streaming response after which the server sends an SSE

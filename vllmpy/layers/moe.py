@@ -20,13 +20,20 @@ with no host synchronisation, so decode steps are captured in CUDA graphs.
 
 from __future__ import annotations
 
+import atexit
+import sys
+import weakref
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from vllmpy import envs
 from vllmpy.config import ConfigError
 from vllmpy.layers.custom_op import CustomOp
 from vllmpy.layers.linear import Linear
+from vllmpy.layers.mlp import GatedMLP
 
 # a checkpoint's names for each expert's gate, up and down projections
 EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
@@ -68,11 +75,31 @@ def select_experts(logits: torch.Tensor, top_k: int, renormalize: bool,
     return weights * routed_scaling_factor, ids
 
 
+def expert_activation(gate: torch.Tensor, up: torch.Tensor, activation: str = "silu",
+                      alpha: float = 1.702, limit: float = 7.0) -> torch.Tensor:
+    """The gated activation of an expert's gate and up products: ``silu`` (silu(gate) * up)
+    or ``swigluoai`` (GPT-OSS: gate clamped above at ``limit``, up to +-``limit``, then
+    (up + 1) * gate * sigmoid(alpha * gate))."""
+    if activation == "silu":
+        return F.silu(gate) * up
+    if activation == "swigluoai":
+        gate = gate.clamp(max=limit)
+        return (up.clamp(-limit, limit) + 1) * (gate * torch.sigmoid(gate * alpha))
+    raise ValueError(f"unknown expert activation {activation!r} (silu or swigluoai)")
+
+
+EXPERT_ACTIVATIONS = ("silu", "swigluoai")
+
+
 def moe_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-                  weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """sum_j weights[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t)) with e = ids[t, j], for x
-    [T, H], w13 [E, 2I, H] (gate rows then up rows), w2 [E, H, I]; in x's dtype, each
-    expert's products accumulated as ``F.linear`` does and the weighted sum in fp32."""
+                  weights: torch.Tensor, ids: torch.Tensor,
+                  w13_bias: torch.Tensor | None = None, w2_bias: torch.Tensor | None = None,
+                  activation: str = "silu", alpha: float = 1.702,
+                  limit: float = 7.0) -> torch.Tensor:
+    """sum_j weights[t, j] * down_e(act(gate_e(x_t), up_e(x_t))) with e = ids[t, j], for x
+    [T, H], w13 [E, 2I, H] (gate rows then up rows), w2 [E, H, I] and optional biases
+    [E, 2I] / [E, H]; in x's dtype, each expert's products accumulated as ``F.linear``
+    does and the weighted sum in fp32."""
     tokens, top_k = ids.shape
     num_experts = w13.shape[0]
     flat = ids.reshape(-1)
@@ -84,8 +111,11 @@ def moe_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     for expert, count in enumerate(counts):
         if count:
             seg = rows[start:start + count]
-            gate, up = F.linear(seg, w13[expert]).chunk(2, dim=-1)
-            products[start:start + count] = F.linear(F.silu(gate) * up, w2[expert])
+            b13 = None if w13_bias is None else w13_bias[expert]
+            b2 = None if w2_bias is None else w2_bias[expert]
+            gate, up = F.linear(seg, w13[expert], b13).chunk(2, dim=-1)
+            act = expert_activation(gate, up, activation, alpha, limit)
+            products[start:start + count] = F.linear(act, w2[expert], b2)
             start += count
     scaled = products.float() * weights.reshape(-1)[order].float()[:, None]
     out = torch.zeros((tokens, w2.shape[1]), dtype=torch.float32, device=x.device)
@@ -93,77 +123,250 @@ def moe_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     return out.to(x.dtype)
 
 
+@dataclass(frozen=True)
+class ExpertLayout:
+    """How a checkpoint spells one layer's experts (the names under the experts module).
+    Every layout lands in ``w13`` [E, 2I, H] (gate rows, then up rows) and ``w2`` [E, H, I].
+
+    - one tensor per expert and projection: ``N.<names[i]>.weight`` (Qwen-MoE, Mixtral);
+    - one stacked [E, out, in] tensor per projection: ``<names[i]>.weight`` (GGUF's
+      ``ffn_gate_exps`` / ``ffn_up_exps`` / ``ffn_down_exps``);
+    - gate and up fused: ``<gate_up>`` [E, 2I, H] and ``<down>`` [E, H, I] (with or
+      without ``.weight``); ``transposed`` ones are [E, H, 2I] / [E, I, H] and
+      ``interleaved`` ones alternate gate and up along 2I (GPT-OSS), with their biases
+      ``<gate_up>_bias`` [E, 2I] and ``<down>_bias`` [E, H].
+    """
+
+    names: tuple[str, str, str] = EXPERT_PROJECTIONS
+    gate_up: str = "gate_up_proj"
+    down: str = "down_proj"
+    transposed: bool = False
+    interleaved: bool = False
+
+
+_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+# MoE layers that count the tokens routed to each expert (VT_MOE_STATS=1), in build order
+_COUNTING: list[weakref.ref[FusedMoE]] = []
+
+
+def moe_stats_summary() -> list[str]:
+    """Lines of the tokens routed to each expert so far, per counting layer and overall."""
+    layers = [(i, m) for i, ref in enumerate(_COUNTING) if (m := ref()) is not None]
+    if not layers:
+        return []
+    lines = ["MoE expert load (token rows routed per expert; CUDA-graph padding rows count):"]
+    total = None
+    for i, moe in layers:
+        counts = moe.expert_tokens.cpu()
+        total = counts.clone() if total is None else total + counts
+        lines.append(f"  layer {i}: " + _load_line(counts))
+    if total is not None and len(layers) > 1:
+        lines.append("  all layers: " + _load_line(total))
+    return lines
+
+
+def _load_line(counts: torch.Tensor) -> str:
+    n = counts.numel()
+    mean = counts.float().mean().item()
+    top = torch.argsort(counts, descending=True, stable=True)[:3].tolist()
+    idle = int((counts == 0).sum())
+    ratio = counts.max().item() / mean if mean > 0 else 0.0
+    return (f"{int(counts.sum())} routed over {n} experts, min {int(counts.min())} "
+            f"mean {mean:.1f} max {int(counts.max())} (max/mean {ratio:.2f}), "
+            f"{idle} idle, busiest {top}")
+
+
+def _print_moe_stats() -> None:
+    lines = moe_stats_summary()
+    if lines:
+        print("\n".join(lines), file=sys.stderr, flush=True)
+
+
 class FusedMoE(CustomOp):
-    """Experts with SiLU-gated MLPs: ``w13`` [E, 2I, H] and ``w2`` [E, H, I], filled from
-    per-expert checkpoint tensors through ``load_expert_tensor``; ``forward(x, weights,
-    ids)`` takes the router's choice."""
+    """Experts with gated MLPs: ``w13`` [E, 2I, H] and ``w2`` [E, H, I] (and, with
+    ``bias``, ``w13_bias`` [E, 2I] / ``w2_bias`` [E, H]), filled from a checkpoint's
+    tensors in ``layout`` through ``load_expert_tensor``; ``forward(x, weights, ids)``
+    takes the router's choice. ``activation`` is ``silu`` or GPT-OSS's ``swigluoai``."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int,
-                 names: tuple[str, str, str] = EXPERT_PROJECTIONS) -> None:
+                 names: tuple[str, str, str] = EXPERT_PROJECTIONS, *,
+                 layout: ExpertLayout | None = None, bias: bool = False,
+                 activation: str = "silu", swiglu_alpha: float = 1.702,
+                 swiglu_limit: float = 7.0) -> None:
         super().__init__()
-        self.names = names
+        if activation not in EXPERT_ACTIVATIONS:
+            raise ConfigError(f"unknown expert activation {activation!r}; supported: "
+                              f"{list(EXPERT_ACTIVATIONS)}")
+        self.layout = layout if layout is not None else ExpertLayout(names=names)
+        self.names = self.layout.names
         self.num_experts = num_experts
+        self.hidden_size = hidden_size
         self.intermediate_size = intermediate_size
+        self.activation = activation
+        self.swiglu_alpha = swiglu_alpha
+        self.swiglu_limit = swiglu_limit
         self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size),
                                 requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size),
                                requires_grad=False)
+        self.w13_bias = self.w2_bias = None
+        if bias:
+            self.w13_bias = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size),
+                                         requires_grad=False)
+            self.w2_bias = nn.Parameter(torch.empty(num_experts, hidden_size),
+                                        requires_grad=False)
         self._filled: set[tuple[int, int]] = set()  # (expert, projection) loaded
+        self._filled_bias: set[str] = set()
+        self.expert_tokens: torch.Tensor | None = None
+        if envs.VT_MOE_STATS:
+            self.register_buffer("expert_tokens", torch.zeros(num_experts, dtype=torch.int64),
+                                 persistent=False)
+            if not _COUNTING:
+                atexit.register(_print_moe_stats)
+            _COUNTING.append(weakref.ref(self))
+
+    # ---- loading ----
 
     def load_expert_tensor(self, rest: str, tensor: torch.Tensor, name: str) -> None:
         """Copy checkpoint tensor ``name``, whose part under this layer is ``rest``
-        (``"3.gate_proj.weight"``), into its expert's slice."""
+        (``"3.gate_proj.weight"``, ``"gate_proj.weight"``, ``"gate_up_proj"``, ...), into
+        its place; see ``ExpertLayout``."""
         parts = rest.split(".")
-        if len(parts) != 3 or not parts[0].isdigit() or parts[1] not in self.names:
+        if parts[0].isdigit():
+            if len(parts) != 3 or parts[1] not in self.names:
+                raise ValueError(f"checkpoint tensor {name!r} has no matching model parameter")
+            self._check_float(parts[2] == "weight", tensor, name)
+            expert = int(parts[0])
+            if expert >= self.num_experts:
+                raise ValueError(f"checkpoint tensor {name!r} names expert {expert}; the "
+                                 f"config has {self.num_experts}")
+            proj = self.names.index(parts[1])
+            self._copy(self._dest(proj)[expert], tensor, name)
+            self._filled.add((expert, proj))
+            return
+        key = rest[:-len(".weight")] if rest.endswith(".weight") else rest
+        lay = self.layout
+        if key in (f"{lay.gate_up}_bias", f"{lay.down}_bias") or rest.endswith(".bias"):
+            self._load_bias(key.removesuffix("_bias"), tensor, name)
+            return
+        stacked = {lay.gate_up: "w13", lay.down: "w2", self.names[2]: "w2",
+                   self.names[0]: 0, self.names[1]: 1}
+        if key not in stacked or (rest != key and rest != f"{key}.weight"):
             raise ValueError(f"checkpoint tensor {name!r} has no matching model parameter")
-        if parts[2] != "weight" or tensor.dtype not in (torch.float32, torch.bfloat16,
-                                                        torch.float16):
+        self._check_float(True, tensor, name)
+        target = stacked[key]
+        if target == "w13" and key == lay.gate_up:
+            if lay.transposed:
+                tensor = tensor.transpose(1, 2)
+            if lay.interleaved:
+                tensor = torch.cat((tensor[:, 0::2], tensor[:, 1::2]), dim=1)
+            self._copy(self.w13.data, tensor, name)
+            projs: tuple[int, ...] = (0, 1)
+        elif target == "w2":
+            if lay.transposed and key == lay.down:
+                tensor = tensor.transpose(1, 2)
+            self._copy(self.w2.data, tensor, name)
+            projs = (2,)
+        else:
+            assert isinstance(target, int)
+            self._copy(self._dest(target), tensor, name)
+            projs = (target,)
+        self._filled.update((e, p) for e in range(self.num_experts) for p in projs)
+
+    def _dest(self, proj: int) -> torch.Tensor:
+        i = self.intermediate_size
+        return (self.w13.data[:, :i], self.w13.data[:, i:], self.w2.data)[proj]
+
+    def _load_bias(self, key: str, tensor: torch.Tensor, name: str) -> None:
+        if self.w13_bias is None or self.w2_bias is None or key not in (self.layout.gate_up,
+                                                                        self.layout.down):
+            raise ValueError(f"checkpoint tensor {name!r} has no matching model parameter")
+        self._check_float(True, tensor, name)
+        if key == self.layout.gate_up:
+            if self.layout.interleaved:
+                tensor = torch.cat((tensor[:, 0::2], tensor[:, 1::2]), dim=1)
+            self._copy(self.w13_bias.data, tensor, name)
+        else:
+            self._copy(self.w2_bias.data, tensor, name)
+        self._filled_bias.add(key)
+
+    @staticmethod
+    def _check_float(is_weight: bool, tensor: torch.Tensor, name: str) -> None:
+        if not is_weight or tensor.dtype not in _FLOAT_DTYPES:
             raise ValueError(f"checkpoint tensor {name!r} ({tensor.dtype}): quantized MoE "
                              "experts are not supported yet, only float16 / bfloat16 / "
                              "float32 expert weights")
-        expert, proj = int(parts[0]), self.names.index(parts[1])
-        if expert >= self.num_experts:
-            raise ValueError(f"checkpoint tensor {name!r} names expert {expert}; the "
-                             f"config has {self.num_experts}")
-        i = self.intermediate_size
-        dest = (self.w13.data[expert, :i], self.w13.data[expert, i:], self.w2.data[expert])[proj]
+
+    @staticmethod
+    def _copy(dest: torch.Tensor, tensor: torch.Tensor, name: str) -> None:
         if tuple(tensor.shape) != tuple(dest.shape):
             raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
                              f"expected {tuple(dest.shape)}")
         dest.copy_(tensor)
-        self._filled.add((expert, proj))
 
     def missing(self) -> list[str]:
-        """The per-expert tensors the checkpoint has not filled."""
-        return [f"{e}.{self.names[p]}.weight" for e in range(self.num_experts)
+        """The expert tensors the checkpoint has not filled."""
+        gone = [f"{e}.{self.names[p]}.weight" for e in range(self.num_experts)
                 for p in range(3) if (e, p) not in self._filled]
+        if self.w13_bias is not None:
+            gone += [f"{k}_bias" for k in (self.layout.gate_up, self.layout.down)
+                     if k not in self._filled_bias]
+        return gone
+
+    # ---- running ----
+
+    def _count(self, ids: torch.Tensor) -> None:
+        if self.expert_tokens is not None:  # graph-safe: no host read
+            flat = ids.reshape(-1)
+            self.expert_tokens.scatter_add_(0, flat, torch.ones_like(flat))
 
     def forward_cuda(self, x: torch.Tensor, weights: torch.Tensor,
                      ids: torch.Tensor) -> torch.Tensor:
         from vllmpy.ops.fused_moe import fused_moe
 
-        return fused_moe(x, self.w13, self.w2, weights, ids)
+        self._count(ids)
+        return fused_moe(x, self.w13, self.w2, weights, ids, self.w13_bias, self.w2_bias,
+                         self.activation, self.swiglu_alpha, self.swiglu_limit)
 
     def forward_native(self, x: torch.Tensor, weights: torch.Tensor,
                        ids: torch.Tensor) -> torch.Tensor:
-        return moe_reference(x, self.w13, self.w2, weights, ids)
+        self._count(ids)
+        return moe_reference(x, self.w13, self.w2, weights, ids, self.w13_bias,
+                             self.w2_bias, self.activation, self.swiglu_alpha,
+                             self.swiglu_limit)
 
 
 class SparseMoeBlock(nn.Module):
-    """A softmax-routed MoE MLP: ``gate`` (the router, [E, H], no bias) and ``experts``
-    (``FusedMoE``), the layout of Qwen2/3-MoE, Mixtral and OLMoE checkpoints."""
+    """A softmax-routed MoE MLP: ``gate`` (the router, [E, H]) and ``experts``
+    (``FusedMoE``), the layout of Qwen2/3-MoE, Mixtral and OLMoE checkpoints; with
+    ``shared_intermediate_size``, a dense gated MLP every token also takes
+    (``shared_expert``), scaled by sigmoid(``shared_expert_gate``(x)) when
+    ``shared_gate`` (Qwen2-MoE)."""
 
     def __init__(self, hidden_size: int, num_experts: int, intermediate_size: int,
                  top_k: int, renormalize: bool,
-                 names: tuple[str, str, str] = EXPERT_PROJECTIONS) -> None:
+                 names: tuple[str, str, str] = EXPERT_PROJECTIONS, *,
+                 shared_intermediate_size: int = 0, shared_gate: bool = False,
+                 router_bias: bool = False) -> None:
         super().__init__()
         if not 1 <= top_k <= num_experts:
             raise ConfigError(f"num_experts_per_tok={top_k} must lie in 1..{num_experts}")
         self.top_k = top_k
         self.renormalize = renormalize
-        self.gate = Linear(hidden_size, num_experts)
+        self.gate = Linear(hidden_size, num_experts, bias=router_bias)
         self.experts = FusedMoE(num_experts, hidden_size, intermediate_size, names)
+        self.shared_expert = (GatedMLP(hidden_size, shared_intermediate_size)
+                              if shared_intermediate_size > 0 else None)
+        self.shared_expert_gate = (Linear(hidden_size, 1)
+                                   if self.shared_expert is not None and shared_gate else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = select_experts(self.gate(x), self.top_k, self.renormalize)
-        return self.experts(x, weights, ids)
+        out = self.experts(x, weights, ids)
+        if self.shared_expert is not None:
+            shared = self.shared_expert(x)
+            if self.shared_expert_gate is not None:
+                shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
+            out = out + shared
+        return out

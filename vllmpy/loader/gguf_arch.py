@@ -44,3 +44,14 @@ class GGUFArch:
     transform: Callable[[str, torch.Tensor], torch.Tensor] | None = None
     # GGUF tensors that hold no parameter (read into the config instead)
     skip: frozenset[str] = frozenset()
+
+
+def moe_config(meta: GGUFMetadata, count_key: str = "num_experts") -> dict[str, Any]:
+    """The MoE keys llama.cpp writes for every MoE architecture, as Hugging Face names them
+    (the expert count under ``count_key``: ``num_experts`` or ``num_local_experts``)."""
+    arch = meta.architecture
+    keys = ((f"{arch}.expert_count", count_key),
+            (f"{arch}.expert_used_count", "num_experts_per_tok"),
+            (f"{arch}.expert_feed_forward_length", "moe_intermediate_size"),
+            (f"{arch}.expert_shared_feed_forward_length", "shared_expert_intermediate_size"))
+    return {hf: int(value) for key, hf in keys if (value := meta.metadata(key)) is not None}

@@ -108,9 +108,10 @@ def align_by_expert(ids: torch.Tensor, num_experts: int, block_m: int = BLOCK_M,
 
 
 @triton.jit
-def _gate_up_kernel(x_ptr, w_ptr, out_ptr, pairs_ptr, block_expert_ptr, num_pairs, top_k,
-                    H, inter, num_experts, stride_xm, stride_we, stride_wn, stride_om,
-                    IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+def _gate_up_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, pairs_ptr, block_expert_ptr, num_pairs,
+                    top_k, H, inter, num_experts, stride_xm, stride_we, stride_wn, stride_om,
+                    stride_be, alpha, limit, IEEE: tl.constexpr, HAS_BIAS: tl.constexpr,
+                    SWIGLUOAI: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     BLOCK_K: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -141,16 +142,25 @@ def _gate_up_kernel(x_ptr, w_ptr, out_ptr, pairs_ptr, block_expert_ptr, num_pair
             else:
                 gate = tl.dot(a, wg, gate)
                 up = tl.dot(a, wu, up)
-        act = gate / (1.0 + tl.exp(-gate)) * up
+        if HAS_BIAS:
+            b_rows = bias_ptr + expert.to(tl.int64) * stride_be
+            gate += tl.load(b_rows + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+            up += tl.load(b_rows + inter + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        if SWIGLUOAI:
+            gate = tl.minimum(gate, limit)
+            up = tl.minimum(tl.maximum(up, -limit), limit)
+            act = (up + 1.0) * (gate / (1.0 + tl.exp(-alpha * gate)))
+        else:
+            act = gate / (1.0 + tl.exp(-gate)) * up
         out = out_ptr + pair[:, None].to(tl.int64) * stride_om + offs_n[None, :]
         tl.store(out, act.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
 
 
 @triton.jit
-def _down_kernel(a_ptr, w_ptr, out_ptr, pairs_ptr, block_expert_ptr, weights_ptr,
+def _down_kernel(a_ptr, w_ptr, bias_ptr, out_ptr, pairs_ptr, block_expert_ptr, weights_ptr,
                  num_pairs, H, inter, num_experts, stride_am, stride_we, stride_wn, stride_om,
-                 IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr):
+                 stride_be, IEEE: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     expert = tl.load(block_expert_ptr + pid_m)
@@ -173,6 +183,10 @@ def _down_kernel(a_ptr, w_ptr, out_ptr, pairs_ptr, block_expert_ptr, weights_ptr
                 acc = tl.dot(a.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
             else:
                 acc = tl.dot(a, w, acc)
+        if HAS_BIAS:
+            b = tl.load(bias_ptr + expert.to(tl.int64) * stride_be + offs_n, mask=n_ok,
+                        other=0.0)
+            acc += b.to(tl.float32)[None, :]
         scale = tl.load(weights_ptr + pair, mask=row_ok, other=0.0).to(tl.float32)
         acc = acc * scale[:, None]
         out = out_ptr + pair[:, None].to(tl.int64) * stride_om + offs_n[None, :]
@@ -185,11 +199,15 @@ def _ieee(x: torch.Tensor) -> bool:
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
-              ids: torch.Tensor) -> torch.Tensor:
+              ids: torch.Tensor, w13_bias: torch.Tensor | None = None,
+              w2_bias: torch.Tensor | None = None, activation: str = "silu",
+              alpha: float = 1.702, limit: float = 7.0) -> torch.Tensor:
     """The experts' output [T, H] in x's dtype (``vllmpy.layers.moe.moe_reference``'s
     sum): x [T, H] float32 / bfloat16 / float16, w13 [E, 2I, H] and w2 [E, H, I] in x's
-    dtype, weights / ids [T, k]. Each product accumulates in fp32; the intermediate
-    silu(gate) * up is rounded to x's dtype, as the reference rounds it."""
+    dtype, optional biases [E, 2I] / [E, H], weights / ids [T, k]; ``activation`` silu or
+    swigluoai (``vllmpy.layers.moe.expert_activation``). Each product accumulates in
+    fp32; the intermediate act(gate, up) is rounded to x's dtype, as the reference
+    rounds it."""
     tokens, hidden = x.shape
     num_experts, two_i, _ = w13.shape
     inter_size = two_i // 2
@@ -201,8 +219,19 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: tor
     if w13.dtype != x.dtype or w2.dtype != x.dtype:
         raise ValueError(f"fused_moe takes expert weights in x's dtype {x.dtype}, got "
                          f"{w13.dtype} and {w2.dtype}")
+    if activation not in ("silu", "swigluoai"):
+        raise ValueError(f"unknown expert activation {activation!r} (silu or swigluoai)")
+    if (w13_bias is None) != (w2_bias is None):
+        raise ValueError("fused_moe takes both expert biases or neither")
+    has_bias = w13_bias is not None
+    if has_bias and (tuple(w13_bias.shape) != (num_experts, two_i)  # type: ignore[union-attr]
+                     or tuple(w2_bias.shape) != (num_experts, hidden)):  # type: ignore[union-attr]
+        raise ValueError(f"fused_moe needs biases [E, {two_i}] and [E, {hidden}], got "
+                         f"{tuple(w13_bias.shape)} and {tuple(w2_bias.shape)}")  # type: ignore[union-attr]
     x = x.contiguous()
     w13, w2 = w13.contiguous(), w2.contiguous()
+    b13 = w13_bias.contiguous() if has_bias else w13  # type: ignore[union-attr]
+    b2 = w2_bias.contiguous() if has_bias else w2  # type: ignore[union-attr]
     pairs = tokens * top_k
     sorted_pairs, block_expert = align_by_expert(ids, num_experts)
     ieee = _ieee(x)
@@ -214,13 +243,16 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: tor
     block_k = 32 if ieee else (128 if few else 64)
     n_gate, n_down = (16, 32) if few else (64, 64)
     _gate_up_kernel[(blocks, triton.cdiv(inter_size, n_gate))](
-        x, w13, inter, sorted_pairs, block_expert, pairs, top_k, hidden, inter_size,
-        num_experts, x.stride(0), w13.stride(0), w13.stride(1), inter.stride(0), IEEE=ieee,
-        BLOCK_M=BLOCK_M, BLOCK_N=n_gate, BLOCK_K=block_k, num_warps=4)
+        x, w13, b13, inter, sorted_pairs, block_expert, pairs, top_k, hidden, inter_size,
+        num_experts, x.stride(0), w13.stride(0), w13.stride(1), inter.stride(0),
+        b13.stride(0), float(alpha), float(limit), IEEE=ieee, HAS_BIAS=has_bias,
+        SWIGLUOAI=activation == "swigluoai", BLOCK_M=BLOCK_M, BLOCK_N=n_gate,
+        BLOCK_K=block_k, num_warps=4)
     per_pair = torch.empty((pairs, hidden), dtype=torch.float32, device=x.device)
     _down_kernel[(blocks, triton.cdiv(hidden, n_down))](
-        inter, w2, per_pair, sorted_pairs, block_expert,
+        inter, w2, b2, per_pair, sorted_pairs, block_expert,
         weights.reshape(-1).to(torch.float32).contiguous(), pairs, hidden, inter_size,
         num_experts, inter.stride(0), w2.stride(0), w2.stride(1), per_pair.stride(0),
-        IEEE=ieee, BLOCK_M=BLOCK_M, BLOCK_N=n_down, BLOCK_K=block_k, num_warps=4)
+        b2.stride(0), IEEE=ieee, HAS_BIAS=has_bias, BLOCK_M=BLOCK_M, BLOCK_N=n_down,
+        BLOCK_K=block_k, num_warps=4)
     return per_pair.view(tokens, top_k, hidden).sum(dim=1).to(x.dtype)
