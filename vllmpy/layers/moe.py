@@ -218,8 +218,10 @@ class FusedMoE(CustomOp):
                                         requires_grad=False)
         self._filled: set[tuple[int, int]] = set()  # (expert, projection) loaded
         self._filled_bias: set[str] = set()
-        self.expert_tokens: torch.Tensor | None = None
-        if envs.VT_MOE_STATS:
+        self.expert_tokens: torch.Tensor | None
+        if not envs.VT_MOE_STATS:
+            self.expert_tokens = None
+        else:
             self.register_buffer("expert_tokens", torch.zeros(num_experts, dtype=torch.int64),
                                  persistent=False)
             if not _COUNTING:
