@@ -56,3 +56,20 @@ def test_config_reading_and_refusals():
                                                  "MixtralForCausalLM"))
     with pytest.raises(ConfigError, match="hidden_act"):
         MixtralConfig.from_hf({**base, "hidden_act": "gelu"}, "MixtralForCausalLM")
+
+
+def test_gguf_matches_transformers(tiny, tmp_path):
+    """Mixtral as llama.cpp converts it: a ``llama`` GGUF with experts (q/k rows
+    interleaved, the experts stacked per projection), loaded as Mixtral."""
+    from models.moe_gguf import write_moe_gguf
+
+    _, hf_model = tiny
+    path = write_moe_gguf(tmp_path / "mixtral.gguf", hf_model, "llama")
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, BASE["vocab_size"], (int(n),), generator=g).tolist()
+               for n in torch.randint(20, 41, (3,), generator=g)]
+    llm = LLM(path, skip_tokenizer_init=True, device="cpu", dtype="float32", block_size=16,
+              num_blocks=64)
+    assert type(llm.engine.engine_core.model_runner.model).__name__ == "MixtralForCausalLM"
+    outs = llm.generate(prompts, GREEDY)
+    assert_outputs_match(outs, hf_model, prompts, min_tokens=3 * 16, label="mixtral gguf")

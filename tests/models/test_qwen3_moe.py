@@ -111,3 +111,44 @@ def test_missing_expert_is_refused_by_name(tiny, tmp_path):
     shutil.copy(path / "config.json", tmp_path / "config.json")
     with pytest.raises(Exception, match=r"layers\.2\.mlp\.experts\.5\.down_proj"):
         _llm(tmp_path)
+
+
+def test_gguf_matches_transformers(tiny, tmp_path):
+    """A qwen3moe GGUF written from the same weights, as llama.cpp's converter writes it."""
+    from models.moe_gguf import write_moe_gguf
+
+    kind, _, hf_model = tiny
+    if kind != "sparse":
+        pytest.skip("llama.cpp renormalises qwen3moe's top-k: the sparse config does too")
+    path = write_moe_gguf(tmp_path / "qwen3moe.gguf", hf_model, "qwen3moe")
+    prompts = _prompts(3, seed=3)
+    outs = _llm(path).generate(prompts, GREEDY)
+    assert_outputs_match(outs, hf_model, prompts, min_tokens=3 * 16, label="qwen3moe gguf")
+
+
+def test_quantized_expert_gguf_runs_dequantized(tmp_path, capfd):
+    """Q8_0 expert tensors and a dense layer (no router in the file): the experts are
+    dequantized at load, said so at start-up, and equal transformers running gguf-py's
+    dequantization of the same blocks."""
+    import gguf
+    from models.moe_gguf import write_moe_gguf
+
+    dense = _make_config_variant(mlp_only_layers=[1])
+    gguf_path = write_moe_gguf(tmp_path / "q8.gguf", dense, "qwen3moe",
+                               expert_quant=gguf.GGMLQuantizationType.Q8_0)
+    prompts = _prompts(3, seed=5)
+    outs = _llm(gguf_path).generate(prompts, GREEDY)
+    assert "MoE expert tensors (Q8_0) dequantized to float32" in capfd.readouterr().err
+    assert_outputs_match(outs, dense, prompts, min_tokens=3 * 16, label="qwen3moe q8 experts")
+
+
+def _make_config_variant(**overrides) -> torch.nn.Module:
+    import transformers as tf
+
+    torch.manual_seed(7)
+    model = tf.Qwen3MoeForCausalLM(tf.Qwen3MoeConfig(
+        **{**BASE, **CONFIGS["sparse"], **overrides}))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.normal_(1.0, 0.1) if "norm" in name else p.normal_(0, 0.15)
+    return model.float().eval()

@@ -27,6 +27,7 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType as QType
 
+from vllmpy.config import log
 from vllmpy.layers.quantization.gguf import QUANT_TYPES, QuantizedTensor
 from vllmpy.loader.gguf_arch import GGUFArch
 from vllmpy.loader.gguf_file import GGUFFile, open_gguf_file
@@ -71,6 +72,7 @@ _BLOCK_PARTS: dict[str, str] = {
     "ffn_gate_exps": "mlp.experts.gate_proj",
     "ffn_up_exps": "mlp.experts.up_proj",
     "ffn_down_exps": "mlp.experts.down_proj",
+    "ffn_gate_up_exps": "mlp.experts.gate_up_proj",  # the converter's --fuse-gate-up-exps
     "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
     "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
     "ffn_up_shexp": "mlp.shared_expert.up_proj",
@@ -371,7 +373,14 @@ def iter_gguf_weights(
     Tied checkpoints (no ``output.weight``) yield no ``lm_head.weight``; the model ties it
     to the embedding.
     """
-    for tensor, hf_name, rotary_heads in _plan(ckpt):
+    plan = _plan(ckpt)
+    stacked = sorted({t.tensor_type.name for t, _, _ in plan
+                      if len(t.shape) == 3 and t.tensor_type.name in QUANT_TYPES})
+    if stacked:
+        log(f"GGUF: MoE expert tensors ({', '.join(stacked)}) dequantized to "
+            f"{str(dtype).removeprefix('torch.')} at load (quantized experts are not kept "
+            "in blocks yet)")
+    for tensor, hf_name, rotary_heads in plan:
         if tensor.tensor_type.name in QUANT_TYPES and len(tensor.shape) == 2:
             weight = _quantized(tensor, dtype)
             if rotary_heads is not None:

@@ -19,7 +19,7 @@ from vllmpy.layers.linear import Linear, rms_norm_linear, tie_quantized_lm_head
 from vllmpy.layers.mlp import GatedMLP
 from vllmpy.layers.norm import RMSNorm
 from vllmpy.layers.rotary import RotaryEmbedding
-from vllmpy.loader.gguf_arch import GGUFArch
+from vllmpy.loader.gguf_arch import GGUFArch, GGUFMetadata, moe_config
 from vllmpy.models.config_reader import (
     ConfigReader,
     decoder_fields,
@@ -133,5 +133,20 @@ class LlamaForCausalLM(nn.Module):
                                    skip) | scales.loaded
 
 
-# llama.cpp's "llama": the common names; its converter interleaves q/k rows
-GGUF_ARCH = GGUFArch(permute_qk=True)
+def _gguf_config(meta: GGUFMetadata, config: dict[str, Any]) -> dict[str, Any]:
+    """A ``llama`` file with experts is a Mixtral (llama.cpp converts Mixtral as ``llama``
+    and renormalises its top-k weights, as Mixtral does)."""
+    experts = moe_config(meta, "num_local_experts")
+    if not experts.get("num_local_experts"):
+        return {}
+    return {**experts, "architectures": ["MixtralForCausalLM"], "model_type": "mixtral"}
+
+
+# llama.cpp's "llama": the common names, and Mixtral's MoE ones; its converter interleaves
+# q/k rows
+GGUF_ARCH = GGUFArch(config=_gguf_config, permute_qk=True,
+                     block_parts={"ffn_gate_inp": "block_sparse_moe.gate",
+                                  "ffn_gate_exps": "block_sparse_moe.experts.w1",
+                                  "ffn_up_exps": "block_sparse_moe.experts.w3",
+                                  "ffn_down_exps": "block_sparse_moe.experts.w2",
+                                  "ffn_gate_up_exps": "block_sparse_moe.experts.gate_up_proj"})

@@ -22,6 +22,7 @@ from vllmpy.layers.mlp import GatedMLP
 from vllmpy.layers.moe import SparseMoeBlock
 from vllmpy.layers.norm import RMSNorm
 from vllmpy.layers.rotary import RotaryEmbedding
+from vllmpy.loader.gguf_arch import GGUFArch, GGUFMetadata, moe_config
 from vllmpy.models.config_reader import (
     ConfigReader,
     decoder_fields,
@@ -150,3 +151,20 @@ class Qwen3MoeForCausalLM(nn.Module):
         scales = KVScaleLoader(self)  # k_scale / v_scale go to the attention layers
         return load_packed_weights(self, scales.filter(weights), PACKED_QKV_GATE_UP,
                                    skip) | scales.loaded
+
+
+def _gguf_config(meta: GGUFMetadata, config: dict[str, Any]) -> dict[str, Any]:
+    """llama.cpp's ``qwen3moe``: the expert keys; a layer without a router
+    (``ffn_gate_inp``) is a dense one; llama.cpp renormalises the top-k weights of this
+    architecture whatever the checkpoint said, so the file runs that way here too."""
+    names = meta.tensor_names
+    dense = [i for i in range(config["num_hidden_layers"])
+             if f"blk.{i}.ffn_gate_inp.weight" not in names]
+    return {**moe_config(meta, "num_experts"), "norm_topk_prob": True,
+            "decoder_sparse_step": 1, "mlp_only_layers": dense}
+
+
+# llama.cpp's "qwen3moe": Qwen3's q/k norms beside the common MoE names
+GGUF_ARCH = GGUFArch(config=_gguf_config,
+                     block_parts={"attn_q_norm": "self_attn.q_norm",
+                                  "attn_k_norm": "self_attn.k_norm"})
