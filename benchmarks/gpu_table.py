@@ -21,7 +21,9 @@ CONFIGS = {"qwen3-0.6b": os.path.join(HERE, "configs", "qwen3-0.6b"),
            # a 1B-class Gemma-3 (5 sliding-window layers to 1 global), in Qwen3-0.6B's rows
            "gemma3-1b": os.path.join(HERE, "configs", "gemma3-1b"),
            # Qwen3-30B-A3B's config: 48 layers of 128 experts, 8 active
-           "qwen3-30b-a3b": os.path.join(HERE, "configs", "qwen3-30b-a3b")}
+           "qwen3-30b-a3b": os.path.join(HERE, "configs", "qwen3-30b-a3b"),
+           # the same with FP8 block-128 weights, experts included
+           "qwen3-30b-a3b-fp8": os.path.join(HERE, "configs", "qwen3-30b-a3b-fp8")}
 
 # row -> (model, vllm-bench arguments)
 ROWS = {
@@ -40,6 +42,8 @@ ROWS = {
                          "--max-num-batched-tokens", "8192", "--num-blocks", "16384"]),
     "E1": ("qwen3-30b-a3b", ["--warmup", "1", "--num-prompts", "1", "--input-len", "512",
                              "--output-len", "256", "--num-blocks", "512"]),
+    "E3": ("qwen3-30b-a3b-fp8", ["--warmup", "1", "--num-prompts", "1", "--input-len", "512",
+                                 "--output-len", "256", "--num-blocks", "512"]),
     "E2": ("qwen3-30b-a3b", ["--warmup", "32", "--num-prompts", "256", "--input-len",
                              "100:1024", "--output-len", "100:1024", "--max-num-seqs", "256",
                              "--max-num-batched-tokens", "8192", "--num-blocks", "16384"]),
