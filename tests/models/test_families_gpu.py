@@ -55,6 +55,12 @@ FAMILIES: dict[str, tuple[str, dict]] = {
     "MixtralForCausalLM": ("MixtralConfig", dict(
         BASE, intermediate_size=48, num_local_experts=6, num_experts_per_tok=2,
         sliding_window=12)),
+    "Qwen2MoeForCausalLM": ("Qwen2MoeConfig", dict(
+        BASE, moe_intermediate_size=32, shared_expert_intermediate_size=64, num_experts=8,
+        num_experts_per_tok=2, norm_topk_prob=False, mlp_only_layers=[1],
+        use_sliding_window=True, sliding_window=12, layer_types=WINDOWED)),
+    "OlmoeForCausalLM": ("OlmoeConfig", dict(
+        BASE, intermediate_size=32, num_experts=8, num_experts_per_tok=2, clip_qkv=2.0)),
     "Qwen3MoeForCausalLM": ("Qwen3MoeConfig", dict(
         BASE, head_dim=16, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
         norm_topk_prob=True, mlp_only_layers=[1])),
