@@ -105,3 +105,15 @@ def test_expert_loading_and_refusals() -> None:
     with pytest.raises(ValueError, match="quantized MoE experts"):
         moe.load_expert_tensor("0.up_proj.weight", gate.to(torch.float8_e4m3fn),
                                "e.0.up_proj.weight")
+
+
+def test_the_block_marks_its_router_and_float_experts_take_dense_weights() -> None:
+    from vllmpy.layers.moe import SparseMoeBlock
+    from vllmpy.layers.quantization.base import is_router
+
+    block = SparseMoeBlock(4, 2, 3, 1, True, shared_intermediate_size=5)
+    assert is_router(block.gate) and not is_router(block.shared_expert.down_proj)
+    w13, w2 = torch.randn(2, 6, 4), torch.randn(2, 4, 3)
+    block.experts.load_dense(w13, w2)
+    assert block.experts.missing() == [] and block.experts.describe_experts() is None
+    assert torch.equal(block.experts.w13.data, w13) and torch.equal(block.experts.w2.data, w2)

@@ -16,6 +16,14 @@ pairs by expert and runs one matmul pair per expert that has tokens, then adds e
 product, times its routing weight, into its token's row: no Python loop over tokens. On
 CUDA it runs ``vllmpy.ops.fused_moe``: two grouped GEMMs over the pairs sorted by expert,
 with no host synchronisation, so decode steps are captured in CUDA graphs.
+
+A quantized checkpoint's experts go through the experts' method that its quantization
+config gives the layer (``QuantizationConfig.moe_method``, applied by ``quantize_model``
+through ``set_method``): it owns ``w13`` / ``w2`` (in its storage dtype) and their
+scales, takes the checkpoint's tensors and runs the forward. Without one the experts are
+float and a quantized expert tensor is refused by name. A block's router is marked
+(``mark_router``) so that the config gives it its router method (FP8 keeps routers in
+the model's dtype).
 """
 
 from __future__ import annotations
@@ -34,6 +42,11 @@ from vllmpy.config import ConfigError
 from vllmpy.layers.custom_op import CustomOp
 from vllmpy.layers.linear import Linear
 from vllmpy.layers.mlp import GatedMLP
+from vllmpy.layers.quantization.base import MoEMethod, mark_router
+
+__all__ = ["EXPERT_PROJECTIONS", "ExpertLayout", "FusedMoE", "SparseMoeBlock",
+           "expert_activation", "mark_router", "moe_reference", "moe_stats_summary",
+           "select_experts"]
 
 # a checkpoint's names for each expert's gate, up and down projections
 EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
@@ -189,6 +202,10 @@ class FusedMoE(CustomOp):
     tensors in ``layout`` through ``load_expert_tensor``; ``forward(x, weights, ids)``
     takes the router's choice. ``activation`` is ``silu`` or GPT-OSS's ``swigluoai``."""
 
+    # an fp8 experts' method's scale grids (``vllmpy.layers.quantization.fp8``)
+    w13_scale: torch.Tensor | None
+    w2_scale: torch.Tensor | None
+
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int,
                  names: tuple[str, str, str] = EXPERT_PROJECTIONS, *,
                  layout: ExpertLayout | None = None, bias: bool = False,
@@ -218,6 +235,11 @@ class FusedMoE(CustomOp):
                                         requires_grad=False)
         self._filled: set[tuple[int, int]] = set()  # (expert, projection) loaded
         self._filled_bias: set[str] = set()
+        # the experts' quantization method (``set_method``), its parameters, and the
+        # (expert, projection, suffix) triples the checkpoint has filled through it
+        self.method: MoEMethod | None = None
+        self.method_params: list[str] = []
+        self._filled_method: set[tuple[int, int, str]] = set()
         self.expert_tokens: torch.Tensor | None
         if not envs.VT_MOE_STATS:
             self.expert_tokens = None
@@ -233,7 +255,11 @@ class FusedMoE(CustomOp):
     def load_expert_tensor(self, rest: str, tensor: torch.Tensor, name: str) -> None:
         """Copy checkpoint tensor ``name``, whose part under this layer is ``rest``
         (``"3.gate_proj.weight"``, ``"gate_proj.weight"``, ``"gate_up_proj"``, ...), into
-        its place; see ``ExpertLayout``."""
+        its place; see ``ExpertLayout``. With an experts' method the weight and its
+        scales go to the method (``experts.N.gate_proj.weight_scale_inv`` ...)."""
+        if self.method is not None:
+            self._load_through_method(rest, tensor, name)
+            return
         parts = rest.split(".")
         if parts[0].isdigit():
             if len(parts) != 3 or parts[1] not in self.names:
@@ -259,22 +285,25 @@ class FusedMoE(CustomOp):
         self._check_float(True, tensor, name)
         target = stacked[key]
         if target == "w13" and key == lay.gate_up:
-            if lay.transposed:
-                tensor = tensor.transpose(1, 2)
-            if lay.interleaved:
-                tensor = torch.cat((tensor[:, 0::2], tensor[:, 1::2]), dim=1)
-            self._copy(self.w13.data, tensor, name)
+            self._copy(self.w13.data, self._oriented(key, tensor), name)
             projs: tuple[int, ...] = (0, 1)
         elif target == "w2":
-            if lay.transposed and key == lay.down:
-                tensor = tensor.transpose(1, 2)
-            self._copy(self.w2.data, tensor, name)
+            self._copy(self.w2.data, self._oriented(key, tensor), name)
             projs = (2,)
         else:
             assert isinstance(target, int)
             self._copy(self._dest(target), tensor, name)
             projs = (target,)
         self._filled.update((e, p) for e in range(self.num_experts) for p in projs)
+
+    def _oriented(self, key: str, tensor: torch.Tensor) -> torch.Tensor:
+        """A fused checkpoint tensor in the [E, out, in], gate-rows-then-up-rows order."""
+        lay = self.layout
+        if lay.transposed and key in (lay.gate_up, lay.down):
+            tensor = tensor.transpose(1, 2)
+        if lay.interleaved and key == lay.gate_up:
+            tensor = torch.cat((tensor[:, 0::2], tensor[:, 1::2]), dim=1)
+        return tensor
 
     def _dest(self, proj: int) -> torch.Tensor:
         i = self.intermediate_size
@@ -307,10 +336,99 @@ class FusedMoE(CustomOp):
                              f"expected {tuple(dest.shape)}")
         dest.copy_(tensor)
 
+    # ---- the experts' method ----
+
+    def set_method(self, method: MoEMethod) -> None:
+        """Give the experts a quantization method (before materialization): its
+        parameters replace the float ``w13`` / ``w2``; biases stay as they are."""
+        for name in self.method_params or ["w13", "w2"]:
+            delattr(self, name)
+        self.method_params = []
+        self.method = method
+        self._filled_method = set()
+        method.create_weights(self)
+
+    def _spelling(self, rest: str) -> tuple[int | None, tuple[int, ...], str, bool] | None:
+        """(expert or None for all, projections, suffix, fused) of a tensor name under the
+        layer, for the experts' method: ``N.<proj>.<suffix>`` (one expert),
+        ``<proj>.<suffix>`` (stacked [E, ...]), ``<gate_up>`` / ``<down>`` with
+        ``.weight``, ``.<suffix>`` or ``_<x>`` for suffix ``weight_<x>`` (fused:
+        ``gate_up_proj_scale_inv``); None for anything else."""
+        parts = rest.split(".")
+        if parts[0].isdigit():
+            if len(parts) != 3 or parts[1] not in self.names:
+                return None
+            return int(parts[0]), (self.names.index(parts[1]),), parts[2], False
+        lay = self.layout
+        fused = {lay.gate_up: (0, 1), lay.down: (2,)}
+        head, _, suffix = rest.partition(".")
+        if head in fused:
+            return None, fused[head], suffix or "weight", True
+        if head in self.names and suffix and "." not in suffix:
+            return None, (self.names.index(head),), suffix, False
+        for key, projs in fused.items():
+            if rest.startswith(key + "_") and "." not in rest:
+                return None, projs, "weight" + rest[len(key):], True
+        return None
+
+    def _load_through_method(self, rest: str, tensor: torch.Tensor, name: str) -> None:
+        assert self.method is not None
+        lay = self.layout
+        key = rest.removesuffix(".weight")
+        if key in (f"{lay.gate_up}_bias", f"{lay.down}_bias") or rest.endswith(".bias"):
+            self._load_bias(key.removesuffix("_bias"), tensor, name)
+            return
+        spelled = self._spelling(rest)
+        if spelled is None:
+            raise ValueError(f"checkpoint tensor {name!r} has no matching model parameter")
+        expert, projs, suffix, fused = spelled
+        if expert is not None and expert >= self.num_experts:
+            raise ValueError(f"checkpoint tensor {name!r} names expert {expert}; the "
+                             f"config has {self.num_experts}")
+        suffixes = self.method.checkpoint_suffixes(self)
+        if suffix not in suffixes:
+            raise ValueError(f"checkpoint tensor {name!r} has no matching model parameter "
+                             f"({self.method.name} experts take {list(suffixes)})")
+        if fused and (lay.transposed or (lay.interleaved and projs == (0, 1))):
+            if suffix != "weight" or tensor.dtype not in _FLOAT_DTYPES:
+                raise ValueError(f"checkpoint tensor {name!r}: {self.method.name} experts "
+                                 "in a transposed or interleaved fused layout are not "
+                                 "supported")
+            tensor = self._oriented(rest.partition(".")[0], tensor)
+        self.method.load(self, expert, projs, suffix, tensor, name)
+        experts = range(self.num_experts) if expert is None else (expert,)
+        self._filled_method.update((e, p, suffix) for e in experts for p in projs)
+        if len(self._filled_method) == self.num_experts * 3 * len(suffixes):
+            self.method.finish(self)  # the last of the layer's tensors
+
+    def load_dense(self, w13: torch.Tensor, w2: torch.Tensor) -> None:
+        """Fill the experts from dense [E, 2I, H] / [E, H, I] weights (random weights):
+        copied, or quantized by the experts' method."""
+        if self.method is None:
+            self._copy(self.w13.data, w13, "w13")
+            self._copy(self.w2.data, w2, "w2")
+            self._filled.update((e, p) for e in range(self.num_experts) for p in range(3))
+            return
+        self.method.load_dense(self, w13, w2)
+        suffixes = self.method.checkpoint_suffixes(self)
+        self._filled_method.update((e, p, s) for e in range(self.num_experts)
+                                   for p in range(3) for s in suffixes)
+        self.method.finish(self)
+
+    def describe_experts(self) -> str | None:
+        """How quantized experts run, for the start-up line; None for float experts."""
+        return None if self.method is None else self.method.describe(self)
+
     def missing(self) -> list[str]:
         """The expert tensors the checkpoint has not filled."""
-        gone = [f"{e}.{self.names[p]}.weight" for e in range(self.num_experts)
-                for p in range(3) if (e, p) not in self._filled]
+        if self.method is not None:
+            suffixes = self.method.checkpoint_suffixes(self)
+            gone = [f"{e}.{self.names[p]}.{s}" for e in range(self.num_experts)
+                    for p in range(3) for s in suffixes
+                    if (e, p, s) not in self._filled_method]
+        else:
+            gone = [f"{e}.{self.names[p]}.weight" for e in range(self.num_experts)
+                    for p in range(3) if (e, p) not in self._filled]
         if self.w13_bias is not None:
             gone += [f"{k}_bias" for k in (self.layout.gate_up, self.layout.down)
                      if k not in self._filled_bias]
@@ -323,17 +441,26 @@ class FusedMoE(CustomOp):
             flat = ids.reshape(-1)
             self.expert_tokens.scatter_add_(0, flat, torch.ones_like(flat))
 
+    def bind_device(self, device: torch.device) -> None:
+        super().bind_device(device)
+        if self.method is not None:
+            self.method.bind(self, device)
+
     def forward_cuda(self, x: torch.Tensor, weights: torch.Tensor,
                      ids: torch.Tensor) -> torch.Tensor:
         from vllmpy.ops.fused_moe import fused_moe
 
         self._count(ids)
+        if self.method is not None:
+            return self.method.apply(self, x, weights, ids)
         return fused_moe(x, self.w13, self.w2, weights, ids, self.w13_bias, self.w2_bias,
                          self.activation, self.swiglu_alpha, self.swiglu_limit)
 
     def forward_native(self, x: torch.Tensor, weights: torch.Tensor,
                        ids: torch.Tensor) -> torch.Tensor:
         self._count(ids)
+        if self.method is not None:
+            return self.method.apply(self, x, weights, ids)
         return moe_reference(x, self.w13, self.w2, weights, ids, self.w13_bias,
                              self.w2_bias, self.activation, self.swiglu_alpha,
                              self.swiglu_limit)
@@ -356,7 +483,7 @@ class SparseMoeBlock(nn.Module):
             raise ConfigError(f"num_experts_per_tok={top_k} must lie in 1..{num_experts}")
         self.top_k = top_k
         self.renormalize = renormalize
-        self.gate = Linear(hidden_size, num_experts, bias=router_bias)
+        self.gate = mark_router(Linear(hidden_size, num_experts, bias=router_bias))
         self.experts = FusedMoE(num_experts, hidden_size, intermediate_size, names)
         self.shared_expert = (GatedMLP(hidden_size, shared_intermediate_size)
                               if shared_intermediate_size > 0 else None)

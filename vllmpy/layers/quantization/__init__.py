@@ -2,8 +2,8 @@
 
 ``quantization_config(...)`` reads the declaration once, at configuration (config.json's
 ``quantization_config.quant_method``, ``hf_quant_config.json``, a GGUF file, or
-``--quantization``); ``quantize_model`` gives every ``Linear`` its method before storage is
-allocated. A format is one module here and one line in ``METHODS``; a format the engine
+``--quantization``); ``quantize_model`` gives every ``Linear`` its method (and every MoE
+layer its experts' method, where the format has one) before storage is allocated. A format is one module here and one line in ``METHODS``; a format the engine
 does not run is refused by name (``REFUSED``), never misread.
 """
 
@@ -17,11 +17,13 @@ from torch import nn
 
 from vllmpy.layers.quantization.base import (
     LinearMethod,
+    MoEMethod,
     QuantizationConfig,
     QuantizationError,
+    is_router,
 )
 
-__all__ = ["LinearMethod", "QuantizationConfig", "QuantizationError", "METHODS",
+__all__ = ["LinearMethod", "MoEMethod", "QuantizationConfig", "QuantizationError", "METHODS",
            "quantization_config", "quantize_model"]
 
 # quant_method -> "module:class" of its QuantizationConfig (``from_checkpoint(dict, where)``)
@@ -115,12 +117,20 @@ def quantization_config(source_kind: str, hf_config: dict, model_dir: str | None
 
 
 def quantize_model(model: nn.Module, config: QuantizationConfig | None) -> None:
-    """Give every linear layer of ``model`` (built on the meta device) its method."""
+    """Give every linear layer of ``model`` (built on the meta device) its method: a MoE
+    router its ``router_method``, and every MoE layer its experts' method where the
+    config has one (``moe_method``; None leaves the experts in the model's dtype)."""
     if config is None:
         return
     from vllmpy.layers.linear import Linear
+    from vllmpy.layers.moe import FusedMoE
 
     for name, module in model.named_modules():
         if isinstance(module, Linear):
-            module.set_method(config.linear_method(name, module))
+            module.set_method(config.router_method(name, module) if is_router(module)
+                              else config.linear_method(name, module))
+        elif isinstance(module, FusedMoE):
+            method = config.moe_method(name, module)
+            if method is not None:
+                module.set_method(method)
 

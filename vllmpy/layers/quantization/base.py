@@ -15,6 +15,11 @@ storage is allocated. The method then owns the layer's weight from end to end:
 
 A new format is one file with a config and a method, and one line in
 ``vllmpy.layers.quantization.registry``.
+
+MoE layers (``vllmpy.layers.moe.FusedMoE``) take a ``MoEMethod`` for their stacked
+experts the same way, from ``QuantizationConfig.moe_method``; a format without one leaves
+the experts in the model's dtype. A MoE router (a ``Linear`` marked by ``mark_router``)
+takes ``QuantizationConfig.router_method``.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from torch import nn
 
 if TYPE_CHECKING:
     from vllmpy.layers.linear import Linear
+    from vllmpy.layers.moe import FusedMoE
 
 
 class QuantizationError(ValueError):
@@ -166,8 +172,68 @@ class LinearMethod:
         return None
 
 
+class MoEMethod:
+    """The stacked expert weights of one ``FusedMoE`` layer and its grouped products.
+
+    * ``create_weights(layer)``: register ``w13`` [E, 2I, H] and ``w2`` [E, H, I] in the
+      format's storage dtype and whatever else it keeps (scales), naming each in
+      ``layer.method_params``; before materialization, in place of the float ones;
+    * ``checkpoint_suffixes(layer)``: what each (expert, projection) of the checkpoint must
+      carry (``weight``, ``weight_scale_inv`` ...);
+    * ``load(layer, expert, projs, suffix, tensor, name)``: one checkpoint tensor: one
+      expert's (``expert`` an index) or every expert's (``expert`` None, a stacked
+      [E, ...] tensor), of one projection (``projs`` (0,), (1,) or (2,): gate, up, down) or
+      of gate and up fused (``(0, 1)``, [E, 2I, H]); refuse by name what it cannot take;
+    * ``finish(layer)``: every tensor is in (for checkpoint loads);
+    * ``bind(layer, device)``: choose the kernels, once, after materialization;
+    * ``apply(layer, x, weights, ids)``: the experts' weighted sum [T, H] in x's dtype;
+    * ``describe(layer)``: how the experts run, for the start-up line.
+    """
+
+    name = "dense"
+
+    def create_weights(self, layer: FusedMoE) -> None:
+        raise NotImplementedError
+
+    def checkpoint_suffixes(self, layer: FusedMoE) -> tuple[str, ...]:
+        return ("weight",)
+
+    def load(self, layer: FusedMoE, expert: int | None, projs: tuple[int, ...], suffix: str,
+             tensor: torch.Tensor, name: str) -> None:
+        raise NotImplementedError
+
+    def load_dense(self, layer: FusedMoE, w13: torch.Tensor, w2: torch.Tensor) -> None:
+        """Take dense expert weights [E, 2I, H] / [E, H, I] (random weights)."""
+        raise QuantizationError(f"the {self.name} expert method cannot quantize dense weights")
+
+    def finish(self, layer: FusedMoE) -> None:
+        """Every tensor of the layer is in: repack, dequantize for the CPU."""
+
+    def bind(self, layer: FusedMoE, device: torch.device) -> None:
+        """Choose this device's kernels (after materialization, before loading)."""
+
+    def apply(self, layer: FusedMoE, x: torch.Tensor, weights: torch.Tensor,
+              ids: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def describe(self, layer: FusedMoE) -> str | None:
+        return None
+
+
+def mark_router(layer: Linear) -> Linear:
+    """Mark ``layer`` as the router of a MoE block (the [E, H] Linear whose logits pick
+    the experts), so that ``quantize_model`` gives it the config's ``router_method``."""
+    layer.moe_router = True  # type: ignore[assignment]
+    return layer
+
+
+def is_router(layer: nn.Module) -> bool:
+    return bool(getattr(layer, "moe_router", False))
+
+
 class QuantizationConfig:
-    """A checkpoint's quantization: the method of each linear layer."""
+    """A checkpoint's quantization: the method of each linear layer (and of each MoE
+    layer's experts)."""
 
     name = "none"
 
@@ -176,6 +242,15 @@ class QuantizationConfig:
 
     def linear_method(self, layer_name: str, layer: Linear) -> LinearMethod:
         raise NotImplementedError
+
+    def router_method(self, layer_name: str, layer: Linear) -> LinearMethod:
+        """A MoE router's method (``mark_router``): by default any linear layer's."""
+        return self.linear_method(layer_name, layer)
+
+    def moe_method(self, layer_name: str, layer: FusedMoE) -> MoEMethod | None:
+        """The experts' method of a MoE layer; None (the default) keeps them in the
+        model's dtype, and a quantized expert tensor is then refused by name at load."""
+        return None
 
     def bind_target(self, device: torch.device, dtype: torch.dtype) -> None:
         """Where the model runs: refused here (by name) if the format cannot run there."""
