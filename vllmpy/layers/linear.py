@@ -183,10 +183,16 @@ def tie_quantized_lm_head(
 
 
 def describe_quantized_layers(model: nn.Module) -> str | None:
-    """One line on how the linear layers that came quantized run, or None if none did."""
+    """One line on how the linear layers (and MoE experts) that came quantized run, or None
+    if none did."""
     counts: Counter[str] = Counter()
     for module in model.modules():
-        if isinstance(module, Linear) and (how := module.method.describe(module)) is not None:
+        if isinstance(module, Linear):
+            how = module.method.describe(module)
+        else:  # a MoE layer's experts describe themselves (``FusedMoE.describe_experts``)
+            describe = getattr(module, "describe_experts", None)
+            how = describe() if describe is not None else None
+        if how is not None:
             counts[how] += 1
     if not counts:
         return None

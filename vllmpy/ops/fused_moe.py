@@ -40,6 +40,8 @@ import torch
 import triton
 import triton.language as tl
 
+from vllmpy.ops.moe_decode import DECODE_PAIRS, moe_decode
+
 BLOCK_M = 16
 
 
@@ -317,7 +319,8 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: tor
               w2_bias: torch.Tensor | None = None, activation: str = "silu",
               alpha: float = 1.702, limit: float = 7.0, *,
               w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
-              scale_block: tuple[int, int] | None = None) -> torch.Tensor:
+              scale_block: tuple[int, int] | None = None,
+              rows: bool | None = None) -> torch.Tensor:
     """The experts' output [T, H] in x's dtype (``vllmpy.layers.moe.moe_reference``'s
     sum): x [T, H] float32 / bfloat16 / float16, w13 [E, 2I, H] and w2 [E, H, I] in x's
     dtype, optional biases [E, 2I] / [E, H], weights / ids [T, k]; ``activation`` silu or
@@ -365,6 +368,11 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: tor
     b13 = w13_bias.contiguous() if has_bias else w13  # type: ignore[union-attr]
     b2 = w2_bias.contiguous() if has_bias else w2  # type: ignore[union-attr]
     pairs = tokens * top_k
+    if rows is None:
+        rows = not _ieee(x) and pairs <= DECODE_PAIRS
+    if rows and not fp8:
+        return moe_decode(x, w13, w2, weights, ids, b13 if has_bias else None,
+                          b2 if has_bias else None, activation, alpha, limit)
     sorted_pairs, block_expert = align_by_expert(ids, num_experts)
     ieee = _ieee(x)
     blocks = block_expert.numel()

@@ -135,6 +135,11 @@ class ModelRunner(StartupMixin):
         seed = self.config.model.seed
         linears = {name: m for name, m in model.named_modules() if isinstance(m, Linear)}
         owned = {f"{n}.{p}" for n, m in linears.items() for p in m.method_params}
+        # MoE layers with a quantization method take dense experts and quantize them
+        experts = {name: m for name, m in model.named_modules()
+                   if getattr(m, "method", None) is not None and hasattr(m, "load_dense")
+                   and not isinstance(m, Linear)}
+        owned |= {f"{n}.{p}" for n, m in experts.items() for p in m.method_params}
         params = {n: p for n, p in model.named_parameters() if n not in owned}
         shapes = {name: (p.shape, p.dtype) for name, p in params.items()}
         with torch.no_grad():
@@ -146,6 +151,12 @@ class ModelRunner(StartupMixin):
                 for _, weight in dummy_weights(shape, seed=seed, device=self.device):
                     layer.method.load_dense(layer, weight)
                 layer.method.finish(layer)
+            dtype = self.config.model.dtype
+            for name, moe in experts.items():
+                e, h, i = moe.num_experts, moe.hidden_size, moe.intermediate_size
+                shapes = {f"{name}.w13": ((e, 2 * i, h), dtype), f"{name}.w2": ((e, h, i), dtype)}
+                w13, w2 = (t for _, t in dummy_weights(shapes, seed=seed, device=self.device))
+                moe.load_dense(w13, w2)
         if (line := describe_quantized_layers(model)) is not None:
             log(line)
 
