@@ -61,18 +61,18 @@ def main() -> int:
         x = torch.randn(t, h, device=dev, generator=g, dtype=dt)
         weights, ids = select_experts(torch.randn(t, e, device=dev, generator=g), k, True)
         layers.append((x, w13, w2, gate, weights, ids))
-    ref = [fused_moe(x, w13, w2, wt, ids) for x, w13, w2, _, wt, ids in layers]
+    ref = [fused_moe(x, w13, w2, wt, ids, rows=False) for x, w13, w2, _, wt, ids in layers]
     chosen = sum(len(set(ids.reshape(-1).tolist())) for *_, ids in layers) / len(layers)
     layer_bytes = chosen * 3 * i * h * 2
 
     variants = {"grouped GEMM (fused_moe)": lambda x, w13, w2, wt, ids: fused_moe(
-        x, w13, w2, wt, ids)}
-    for bn in ((16, 16), (8, 8), (32, 16), (16, 8)):
-        for bk in (128, 256, 512):
-            for warps in (4, 8):
-                variants[f"rows n={bn} k={bk} w={warps}"] = (
-                    lambda x, w13, w2, wt, ids, bn=bn, bk=bk, warps=warps: moe_decode(
-                        x, w13, w2, wt, ids, block_n=bn, block_k=bk, num_warps=warps))
+        x, w13, w2, wt, ids, rows=False)}
+    shapes = [((16, 16), 256, 4), ((8, 8), 256, 4), ((16, 16), 512, 4), ((32, 16), 256, 8),
+              ((16, 8), 128, 4), ((8, 16), 512, 8), ((4, 8), 512, 4)]
+    for bn, bk, warps in shapes:
+        variants[f"rows n={bn} k={bk} w={warps}"] = (
+            lambda x, w13, w2, wt, ids, bn=bn, bk=bk, warps=warps: moe_decode(
+                x, w13, w2, wt, ids, block_n=bn, block_k=bk, num_warps=warps))
     rows = []
     for name, fn in variants.items():
         outs = [fn(x, w13, w2, wt, ids) for x, w13, w2, _, wt, ids in layers]
