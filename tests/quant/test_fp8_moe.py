@@ -125,12 +125,14 @@ def test_cpu_experts_load_and_match_the_dequantized_reference(block, spelling) -
 @pytest.mark.parametrize("block", [None, (128, 128)])
 def test_the_kernel_path_matches_the_cpu_path(block) -> None:
     q, w13, w2 = _experts(block, seed=1)
-    kernel = _layer(block, device="cuda")  # a CUDA binding: the grouped GEMMs (interpreted)
+    kernel = _layer(block, device="cuda")  # a CUDA binding: the grouped GEMMs
     _load(kernel, q, block, "per_expert")
     assert kernel.w13.dtype == FP8 and "Triton" in (kernel.describe_experts() or "")
     x, weights, ids = _routing(6, seed=7)
     ref = moe_reference(x, w13, w2, weights, ids)
-    torch.testing.assert_close(kernel(x, weights, ids), ref, rtol=1e-4, atol=1e-5)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"  # else under the interpreter
+    out = kernel.to(dev)(x.to(dev), weights.to(dev), ids.to(dev)).cpu()
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
 
 
 def test_codes_without_a_checkpoint_load_run_dequantized_per_call() -> None:

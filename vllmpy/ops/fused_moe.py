@@ -370,9 +370,10 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: tor
     pairs = tokens * top_k
     if rows is None:
         rows = not _ieee(x) and pairs <= DECODE_PAIRS
-    if rows and not fp8:
+    if rows:
         return moe_decode(x, w13, w2, weights, ids, b13 if has_bias else None,
-                          b2 if has_bias else None, activation, alpha, limit)
+                          b2 if has_bias else None, activation, alpha, limit,
+                          scales=(s13, s2) if fp8 else None)
     sorted_pairs, block_expert = align_by_expert(ids, num_experts)
     ieee = _ieee(x)
     blocks = block_expert.numel()
