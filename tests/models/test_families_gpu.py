@@ -61,6 +61,12 @@ FAMILIES: dict[str, tuple[str, dict]] = {
         use_sliding_window=True, sliding_window=12, layer_types=WINDOWED)),
     "OlmoeForCausalLM": ("OlmoeConfig", dict(
         BASE, intermediate_size=32, num_experts=8, num_experts_per_tok=2, clip_qkv=2.0)),
+    # the sparsemixer's mask (router_jitter_noise) makes this tiny model's bf16 routing
+    # chaotic for transformers too (its own bf16 agrees with its fp32 on 0-2 of 24); at
+    # 1.0 the mask never fires, and the mask is checked exactly on the CPU and in fp32
+    "PhimoeForCausalLM": ("PhimoeConfig", dict(
+        BASE, intermediate_size=48, num_local_experts=8, num_experts_per_tok=2,
+        sliding_window=12, attention_bias=True, lm_head_bias=True, router_jitter_noise=1.0)),
     "Qwen3MoeForCausalLM": ("Qwen3MoeConfig", dict(
         BASE, head_dim=16, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
         norm_topk_prob=True, mlp_only_layers=[1])),
