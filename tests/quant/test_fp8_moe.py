@@ -319,3 +319,29 @@ def test_qwen3_moe_fp8_block_checkpoint_matches_transformers(qwen3_moe_fp8):
         "fp8 block 128x128 MoE expert layer(s) dequantized to float32 on the CPU"}
     routers = [m.gate for m in model.modules() if isinstance(m, SparseMoeBlock)]
     assert all(isinstance(r.method, DenseMethod) for r in routers)
+
+
+def test_dummy_weights_quantize_fp8_experts(tmp_path, capfd) -> None:
+    """``--load-format dummy`` with an FP8 MoE config: the experts are drawn dense and
+    quantized by their method (positive scales, codes that stand for the draws), and the
+    start-up line names them."""
+    import json
+
+    from vllmpy import LLM, SamplingParams
+
+    cfg = dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe",
+               hidden_size=128, intermediate_size=256, moe_intermediate_size=128,
+               num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=64,
+               vocab_size=256, max_position_embeddings=256, num_experts=4,
+               num_experts_per_tok=2, norm_topk_prob=True,
+               quantization_config={"quant_method": "fp8", "activation_scheme": "dynamic",
+                                    "weight_block_size": [128, 128]})
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    llm = LLM(str(tmp_path), load_format="dummy", skip_tokenizer_init=True, device="cpu",
+              dtype="float32", block_size=16, num_blocks=16)
+    assert "fp8 block 128x128 MoE expert layer(s)" in capfd.readouterr().err
+    experts = llm.engine.engine_core.model_runner.model.model.layers[0].mlp.experts
+    w13 = experts.w13.detach()  # dequantized at load on the CPU
+    assert w13.abs().max() > 0 and 0.01 < w13.std().item() < 0.03  # the 0.02 draws
+    out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2, temperature=0.0))
+    assert len(out[0].outputs[0].token_ids) == 2
