@@ -67,6 +67,10 @@ FAMILIES: dict[str, tuple[str, dict]] = {
     "PhimoeForCausalLM": ("PhimoeConfig", dict(
         BASE, intermediate_size=48, num_local_experts=8, num_experts_per_tok=2,
         sliding_window=12, attention_bias=True, lm_head_bias=True, router_jitter_noise=1.0)),
+    "GraniteMoeForCausalLM": ("GraniteMoeConfig", dict(
+        BASE, intermediate_size=48, num_local_experts=6, num_experts_per_tok=2,
+        attention_bias=True, embedding_multiplier=2.0, residual_multiplier=0.5,
+        attention_multiplier=0.2, logits_scaling=2.0)),
     "Qwen3MoeForCausalLM": ("Qwen3MoeConfig", dict(
         BASE, head_dim=16, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
         norm_topk_prob=True, mlp_only_layers=[1])),

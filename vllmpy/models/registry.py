@@ -40,6 +40,8 @@ _MODELS: dict[str, ModelEntry] = {
     "GptOssForCausalLM": ModelEntry("gpt_oss", "GptOssConfig", "GptOssForCausalLM"),
     "GraniteMoeForCausalLM": ModelEntry("granite_moe", "GraniteMoeConfig",
                                         "GraniteMoeForCausalLM"),
+    "GraniteMoeSharedForCausalLM": ModelEntry("granite_moe", "GraniteMoeConfig",
+                                              "GraniteMoeForCausalLM"),
     "PhimoeForCausalLM": ModelEntry("phimoe", "PhimoeConfig", "PhimoeForCausalLM"),
     "GPT2LMHeadModel": ModelEntry("gpt2", "GPT2Config", "GPT2LMHeadModel", gguf="gpt2"),
     "OPTForCausalLM": ModelEntry("opt", "OPTConfig", "OPTForCausalLM"),
