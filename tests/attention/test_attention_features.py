@@ -1,5 +1,6 @@
-"""Sliding windows and logit softcaps in the CPU backends, against dense attention written
-out here: every key at its position, the visibility mask, the cap and the softmax.
+"""Sliding windows, logit softcaps and attention sinks in the CPU backends, against dense
+attention written out here: every key at its position, the visibility mask, the cap and the
+softmax (with each head's sink as one more column, dropped after it).
 
 Requests go through steps as an engine would drive them (prefills, chunks over cached
 context, mixed batches, many decodes), and every step of every layer is checked. The CPU
@@ -24,10 +25,11 @@ DIM = 16
 SCALE = 1 / math.sqrt(DIM)
 
 
-def dense_attention(q, keys, values, q_pos, window, cap):
+def dense_attention(q, keys, values, q_pos, window, cap, sinks=None):
     """Queries q [T, H, D] at positions ``q_pos`` [T] over the keys and values [L, KH, D]
     at positions 0..L-1, in float64: a query at p sees the keys at k <= p with
-    p - k < window; scores scale * q.k, capped as cap * tanh(s / cap)."""
+    p - k < window; scores scale * q.k, capped as cap * tanh(s / cap); ``sinks`` [H]
+    one more softmax column per head, which weighs no value."""
     group = q.shape[1] // keys.shape[1]
     k = keys.double().repeat_interleave(group, dim=1)
     v = values.double().repeat_interleave(group, dim=1)
@@ -38,8 +40,12 @@ def dense_attention(q, keys, values, q_pos, window, cap):
     seen = k_pos[None, :] <= q_pos[:, None]
     if window is not None:
         seen &= q_pos[:, None] - k_pos[None, :] < window
-    scores = scores.masked_fill(~seen[None], float("-inf"))
-    return torch.einsum("htk,khd->thd", scores.softmax(dim=-1), v)
+    scores = scores.masked_fill(~seen[None], float("-inf"))  # [H, T, L]
+    if sinks is None:
+        return torch.einsum("htk,khd->thd", scores.softmax(dim=-1), v)
+    column = sinks.double()[:, None, None].expand(-1, scores.shape[1], 1)
+    weights = torch.cat([scores, column], dim=-1).softmax(dim=-1)[..., :-1]
+    return torch.einsum("htk,khd->thd", weights, v)
 
 
 def fp8_round_trip(x, scale):
@@ -80,8 +86,13 @@ class Requests:
     request has stored so far."""
 
     def __init__(self, layers: list[AttentionBackend], cache_dtype=torch.float32,
-                 scales=(1.0, 1.0), key_gain=1.0, num_blocks=80, seed=0) -> None:
+                 scales=(1.0, 1.0), key_gain=1.0, num_blocks=80, seed=0,
+                 sink_gain: float | None = None) -> None:
         self.gen = torch.Generator().manual_seed(seed)
+        # per layer: sinks [heads] around +2 (a real share of every softmax), or None
+        self.sinks = [None if sink_gain is None else
+                      torch.randn(layer.num_heads, generator=self.gen) * sink_gain + 2.0
+                      for layer in layers]
         self.layers, self.scales, self.key_gain = layers, scales, key_gain
         self.caches = [(torch.randn(2, num_blocks, BLOCK, layer.num_kv_heads, DIM,
                                     generator=self.gen) * 2).to(cache_dtype)
@@ -133,7 +144,8 @@ class Requests:
         q = torch.randn(n, layer.num_heads, DIM, generator=gen)
         k = torch.randn(n, layer.num_kv_heads, DIM, generator=gen) * self.key_gain
         v = torch.randn(n, layer.num_kv_heads, DIM, generator=gen)
-        out = layer.forward(q, k, v, cache, meta, *self.scales)
+        sinks = self.sinks[index]
+        out = layer.forward(q, k, v, cache, meta, *self.scales, sinks=sinks)
         if cache.dtype == FP8_KV_DTYPE:
             k, v = fp8_round_trip(k, self.scales[0]), fp8_round_trip(v, self.scales[1])
         starts = meta.query_start_loc_cpu
@@ -144,7 +156,7 @@ class Requests:
             self.stored[name][index] = keys, values
             q_pos = torch.arange(keys.shape[0] - (hi - lo), keys.shape[0])
             expected = dense_attention(q[lo:hi], keys, values, q_pos, layer.sliding_window,
-                                       layer.logit_softcap)
+                                       layer.logit_softcap, sinks)
             torch.testing.assert_close(
                 out[lo:hi].double(), expected, atol=2e-5, rtol=2e-5,
                 msg=lambda m, i=i: f"{type(layer).__name__} layer {index}, row {i} of {rows}: {m}")
@@ -275,3 +287,35 @@ def test_long_prefills_in_pieces_with_a_window(monkeypatch):
     requests.drop_blocks_before_windows()
     requests.step([("a", 17), ("b", 1)])
     assert requests.features_mattered
+
+
+@pytest.mark.parametrize("window,cap,heads,kv_heads", [
+    (None, None, 6, 2),
+    (5, None, 6, 2),  # a window under two blocks
+    (7, 10.0, 8, 1),  # with a softcap, one KV head for eight query heads
+    (None, None, 4, 4),
+])
+def test_sinks_join_every_softmax(path, window, cap, heads, kv_heads):
+    """Sinks (one logit per query head, around 2) through prefills, chunks, mixed steps
+    and decodes, alone and with the other features; the decodes both ways."""
+    requests = Requests(both_backends(window, cap, heads, kv_heads), key_gain=3.0,
+                        sink_gain=1.5)
+    drive(requests)
+    assert requests.features_mattered
+
+
+def test_sinks_over_an_fp8_cache_and_prefill_pieces(monkeypatch):
+    monkeypatch.setattr(cpu_backend, "SCORES_BUDGET", 6 * 12 * 3)
+    requests = Requests(both_backends(9), cache_dtype=FP8_KV_DTYPE, scales=(0.05, 0.1),
+                        sink_gain=1.0)
+    requests.step([("a", 40), ("b", 3)])
+    requests.step([("a", 23), ("b", 30)])
+    requests.decode(["a", "b"], steps=3)
+    assert requests.features_mattered
+
+
+def test_backends_refuse_sinks_of_the_wrong_shape():
+    requests = Requests(both_backends(), sink_gain=1.0)
+    requests.sinks = [torch.zeros(7)] * len(requests.layers)  # the layers have 6 heads
+    with pytest.raises(ValueError, match=r"sinks must be a floating \[6\]"):
+        requests.step([("a", 3)])

@@ -1,10 +1,11 @@
-"""Sliding windows and logit softcaps in the Triton attention kernels (paged_attention and
-the one-launch decode_attention) against a dense attention written here over explicit
-positions, and paged_attention_ref against the same.
+"""Sliding windows, logit softcaps and attention sinks in the Triton attention kernels
+(paged_attention and the one-launch decode_attention) against a dense attention written
+here over explicit positions, and paged_attention_ref against the same.
 
-The semantics are transformers' (Gemma-2/3, Mistral): the query at position p sees the
-keys at positions k with k <= p and p - k < window; a score s = scale * q.k becomes
-cap * tanh(s / cap) before the softmax.
+The semantics are transformers' (Gemma-2/3, Mistral, GPT-OSS): the query at position p
+sees the keys at positions k with k <= p and p - k < window; a score s = scale * q.k
+becomes cap * tanh(s / cap) before the softmax; a head's sink is one more softmax column
+that weighs no value.
 
 Keys and values of the tiles a kernel must not visit (wholly before every window of a
 request) are NaN in the cache: a kernel that loads one of those tiles spreads the NaN to
@@ -44,9 +45,11 @@ TOL = {torch.float32: 2e-5, torch.bfloat16: 3e-2}
 NAN = float("nan")
 
 
-def dense_attention(q, positions, keys, values, scale, window=None, softcap=None):
+def dense_attention(q, positions, keys, values, scale, window=None, softcap=None,
+                    sinks=None):
     """The oracle, in float64: q [n, heads, dim] at ``positions`` (n ints) over one
-    request's keys and values [seq_len, kv_heads, dim] (key k at position k)."""
+    request's keys and values [seq_len, kv_heads, dim] (key k at position k); ``sinks``
+    [heads]: each head's extra softmax column."""
     heads, kv_heads = q.shape[1], keys.shape[1]
     group = heads // kv_heads
     out = torch.zeros(q.shape, dtype=torch.float64)
@@ -58,7 +61,10 @@ def dense_attention(q, positions, keys, values, scale, window=None, softcap=None
             s = (k @ q[i, h].double()) * scale
             if softcap is not None:
                 s = softcap * torch.tanh(s / softcap)
-            out[i, h] = s.softmax(0) @ values[seen, h // group].double()
+            w = s.softmax(0)
+            if sinks is not None:
+                w = torch.cat([s, sinks[h:h + 1].double()]).softmax(0)[:-1]
+            out[i, h] = w @ values[seen, h // group].double()
     return out
 
 
@@ -115,22 +121,22 @@ def make_batch(reqs, heads, kv_heads, dim, block_size, q_gain=1.0, seed=0,
     return dict(dense=dense, q=q, kv_cache=cache, block_tables=tables, starts=starts)
 
 
-def dense_batch(batch, reqs, scale, window, softcap):
+def dense_batch(batch, reqs, scale, window, softcap, sinks=None):
     out = torch.zeros(batch["q"].shape, dtype=torch.float64)
     starts = batch["starts"]
     for i, (q_len, seq_len) in enumerate(reqs):
         rows = slice(starts[i], starts[i + 1])
         keys, values = batch["dense"][i]
         out[rows] = dense_attention(batch["q"][rows], range(seq_len - q_len, seq_len), keys,
-                                    values, scale, window, softcap)
+                                    values, scale, window, softcap, sinks)
     return out
 
 
 def run_paged(batch, reqs, dtype, *, window=None, softcap=None, num_splits=None,
               config=None, max_query_len=None, poison=True, cache=None, k_scale=1.0,
-              v_scale=1.0):
-    """paged_attention and paged_attention_ref over the batch; the kernel's cache has the
-    tiles before every request's window poisoned (when there is a window)."""
+              v_scale=1.0, sinks=None):
+    """paged_attention, then paged_attention_ref, over the batch; the kernel's cache has
+    the tiles before every request's window poisoned (when there is a window)."""
     dim = batch["q"].shape[-1]
     scale = 1 / math.sqrt(dim)
     max_query_len = max_query_len or max(q for q, _ in reqs)
@@ -140,9 +146,8 @@ def run_paged(batch, reqs, dtype, *, window=None, softcap=None, num_splits=None,
         query_start_loc=torch.tensor(batch["starts"], dtype=torch.int32, device=DEVICE),
         seq_lens=torch.tensor([s for _, s in reqs], dtype=torch.int32, device=DEVICE),
         block_tables=batch["block_tables"].to(DEVICE))
-    features = dict(sliding_window=window, logit_softcap=softcap)
-    ref = paged_attention_ref(kv_cache=cache.to(DEVICE), scale=scale, k_scale=k_scale,
-                              v_scale=v_scale, **args, **features)
+    features = dict(sliding_window=window, logit_softcap=softcap,
+                    sinks=None if sinks is None else sinks.to(DEVICE))
     kernel_cache = cache.clone()
     if window is not None and poison:
         tile = (config or default_config(max_query_len, batch["q"].shape[1], cache.shape[3],
@@ -159,6 +164,8 @@ def run_paged(batch, reqs, dtype, *, window=None, softcap=None, num_splits=None,
                     max_query_len=max_query_len, max_seq_len=max(s for _, s in reqs),
                     num_splits=num_splits, config=config, k_scale=k_scale, v_scale=v_scale,
                     **args, **features)
+    ref = paged_attention_ref(kv_cache=cache.to(DEVICE), scale=scale, k_scale=k_scale,
+                              v_scale=v_scale, **args, **features)
     return out.cpu(), ref.cpu()
 
 
@@ -329,7 +336,7 @@ def make_step(seq_lens, heads, kv_heads, dim, block_size, q_gain=1.0, seed=0,
                 cos_sin=RotaryEmbedding(dim, 4096, 10000.0).cos_sin_cache(torch.device("cpu")))
 
 
-def dense_step(step, heads, kv_heads, dim, window, softcap):
+def dense_step(step, heads, kv_heads, dim, window, softcap, sinks=None):
     """The oracle for a decode step: rotary on q and the new k, then dense attention of
     each request's query (at seq_len - 1) over its cached keys and the new one."""
     positions = torch.tensor([max(s - 1, 0) for s in step["seq_lens"]])
@@ -344,12 +351,12 @@ def dense_step(step, heads, kv_heads, dim, window, softcap):
         keys = torch.cat([keys[:s - 1], k[i:i + 1]])
         values = torch.cat([values[:s - 1], v[i:i + 1]])
         out[i:i + 1] = dense_attention(q[i:i + 1], [s - 1], keys, values, 1 / math.sqrt(dim),
-                                       window, softcap)
+                                       window, softcap, sinks)
     return out
 
 
 def run_decode(step, heads, kv_heads, dim, dtype, *, window=None, softcap=None,
-               num_splits=None, min_tiles=1):
+               num_splits=None, min_tiles=1, sinks=None):
     cache = step["cache"].clone()
     if window is not None:
         # tiles of either tile length the kernel takes, before the window: never loaded
@@ -373,7 +380,8 @@ def run_decode(step, heads, kv_heads, dim, dtype, *, window=None, softcap=None,
         torch.tensor(step["seq_lens"], dtype=torch.int32, device=DEVICE),
         step["tables"].to(DEVICE), num_heads=heads, scale=1 / math.sqrt(dim),
         max_seq_len=max(step["seq_lens"]), num_splits=num_splits,
-        min_tiles_per_split=min_tiles, **features)
+        min_tiles_per_split=min_tiles, sinks=None if sinks is None else sinks.to(DEVICE),
+        **features)
     assert out.shape == (n, heads, dim)
     return out.cpu(), cache.cpu()
 
@@ -446,3 +454,135 @@ def test_the_backend_decodes_with_the_layer_features_in_one_launch():
     assert out is not None  # the one-launch decode took the features
     want = dense_step(step, heads, kv_heads, dim, window, cap)
     assert_close(out.cpu().view(n, heads, dim), want, torch.float32)
+
+
+# ---- attention sinks ---------------------------------------------------------------------
+
+def make_sinks(heads, seed):
+    """One sink logit per query head, around 1.5: a real share of each softmax (the
+    scores of these tests are of order 1)."""
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(heads, generator=gen) + 1.5
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads,kv_heads,window,softcap,num_splits", [
+    (4, 2, None, None, 1),
+    (4, 2, None, None, 3),  # split-KV: the sink enters once, in split 0's partial
+    (8, 2, 20, None, 1),  # GQA 4 with a window
+    (8, 2, 20, None, 3),
+    (6, 2, 33, None, 2),  # a head group that is no power of two
+    (4, 4, 5, 10.0, 3),  # MHA, a window and a softcap
+])
+def test_sinks_over_a_mixed_batch_match_dense_attention(dtype, heads, kv_heads, window,
+                                                        softcap, num_splits):
+    dim = 32
+    batch = make_batch(REQS, heads, kv_heads, dim, 16, q_gain=1.0 if softcap is None else 5.0,
+                       seed=11, dtype=dtype)
+    sinks = make_sinks(heads, 12)
+    out, ref = run_paged(batch, REQS, dtype, window=window, softcap=softcap,
+                         num_splits=num_splits, sinks=sinks)
+    want = dense_batch(batch, REQS, 1 / math.sqrt(dim), window, softcap, sinks)
+    assert_close(ref, want, dtype)
+    assert_close(out, want, dtype)
+    without = dense_batch(batch, REQS, 1 / math.sqrt(dim), window, softcap)
+    assert (want - without).abs().max() > 0.05  # the sinks change the answer
+
+
+def test_sinks_with_short_tiles_in_either_kernel_variant():
+    reqs = [(1, 150), (20, 90), (11, 11)]
+    batch = make_batch(reqs, 8, 2, 32, 16, seed=13)
+    sinks = make_sinks(8, 14)
+    config = AttentionKernelConfig(block_m=16, tile_n=16, num_warps=4, num_stages=1)
+    for max_query_len, window in ((1, 7), (64, None)):
+        out, _ = run_paged(batch, reqs, torch.float32, window=window, num_splits=2,
+                           config=config, max_query_len=max_query_len, sinks=sinks)
+        assert_close(out, dense_batch(batch, reqs, 1 / math.sqrt(32), window, None, sinks),
+                     torch.float32)
+
+
+def test_launchers_refuse_bad_sinks_by_name():
+    reqs = [(1, 5)]
+    batch = make_batch(reqs, 4, 2, 32, 16)
+    for bad in (torch.zeros(3, device=DEVICE), torch.zeros(4, dtype=torch.int32, device=DEVICE),
+                torch.zeros(8, device=DEVICE)[::2]):
+        with pytest.raises(ValueError, match=r"sinks must be a contiguous float \[4\]"):
+            run_paged(batch, reqs, torch.float32, sinks=bad)
+    step = make_step([5, 9], 4, 2, 32, 16)
+    with pytest.raises(ValueError, match=r"sinks must be a contiguous float \[4\]"):
+        run_decode(step, 4, 2, 32, torch.float32, sinks=torch.zeros(2))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("window,softcap,num_splits,min_tiles", [
+    (None, None, 1, 1),
+    (None, None, 4, 1),  # split-KV, the merge
+    (20, None, 4, 1),  # split-KV over a window
+    (37, None, 3, 2),
+    (1, None, 3, 1),  # the new token alone beside the sink
+    (33, 10.0, 1, 1),
+])
+def test_decode_attention_with_sinks_matches_dense_attention(dtype, window, softcap,
+                                                             num_splits, min_tiles):
+    heads, kv_heads, dim = 8, 2, 32  # GQA 4
+    step = make_step(SEQ_LENS, heads, kv_heads, dim, 16, q_gain=1.0 if softcap is None else 6.0,
+                     seed=15, dtype=dtype)
+    sinks = make_sinks(heads, 16)
+    out, _ = run_decode(step, heads, kv_heads, dim, dtype, window=window, softcap=softcap,
+                        num_splits=num_splits, min_tiles=min_tiles, sinks=sinks)
+    want = dense_step(step, heads, kv_heads, dim, window, softcap, sinks)
+    live = [i for i, s in enumerate(SEQ_LENS) if s > 0]
+    assert_close(out[live], want[live], dtype)
+
+
+def _meta(reqs, tables, bs, slots, decode=False):
+    starts = [0]
+    for q_len, _ in reqs:
+        starts.append(starts[-1] + q_len)
+    seq_lens = [s for _, s in reqs]
+    return AttentionMetadata(
+        num_actual_tokens=starts[-1],
+        query_start_loc=torch.tensor(starts, dtype=torch.int32, device=DEVICE),
+        query_start_loc_cpu=starts,
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE),
+        seq_lens_cpu=seq_lens,
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=DEVICE),
+        block_tables=tables.to(DEVICE), block_size=bs,
+        max_query_len=1 if decode else 0, max_seq_len=max(seq_lens) if decode else 0)
+
+
+def test_the_backend_takes_a_blocks_sinks_on_every_path():
+    """TritonAttentionBackend with a block's sinks: a mixed step through forward (the
+    block's own norms and rotary, then paged_attention) and a decode step through the
+    one-launch decode_attention."""
+    heads, kv_heads, dim, bs, window = 8, 2, 32, 16, 25
+    sinks = make_sinks(heads, 17)
+    block = SelfAttention(16, heads, kv_heads, dim, rotary=RotaryEmbedding(dim, 4096, 10000.0),
+                          sinks=True)
+    block.sinks.data = sinks.to(DEVICE)
+    backend = TritonAttentionBackend(heads, kv_heads, dim, 1 / math.sqrt(dim),
+                                     sliding_window=window, num_splits=2)
+    # a mixed step: the block's unfused path hands the sinks to forward
+    reqs = [(1, 70), (6, 22), (5, 5)]
+    batch = make_batch(reqs, heads, kv_heads, dim, bs, seed=18)
+    new_k = torch.cat([k[s - q:] for (q, s), (k, _) in zip(reqs, batch["dense"])])
+    new_v = torch.cat([v[s - q:] for (q, s), (_, v) in zip(reqs, batch["dense"])])
+    slots = []
+    for i, (q_len, seq_len) in enumerate(reqs):
+        table = batch["block_tables"][i].tolist()
+        slots += [table[p // bs] * bs + p % bs for p in range(seq_len - q_len, seq_len)]
+    out = backend.forward(batch["q"].to(DEVICE), new_k.to(DEVICE), new_v.to(DEVICE),
+                          batch["kv_cache"].clone().to(DEVICE),
+                          _meta(reqs, batch["block_tables"], bs, slots), sinks=block.sinks)
+    assert_close(out.cpu(), dense_batch(batch, reqs, 1 / math.sqrt(dim), window, None, sinks),
+                 torch.float32)
+    # a decode step: fused_qkv reads the block's sinks
+    seq_lens = [90, 12]
+    step = make_step(seq_lens, heads, kv_heads, dim, bs, seed=19)
+    qkv = torch.cat([step["q"], step["k"], step["v"]], dim=1).to(DEVICE)
+    positions = torch.tensor([s - 1 for s in seq_lens], device=DEVICE)
+    meta = _meta([(1, s) for s in seq_lens], step["tables"], bs, step["slots"], decode=True)
+    out = backend.fused_qkv(block, qkv, positions, step["cache"].clone().to(DEVICE), meta)
+    assert out is not None  # the one-launch decode took the sinks
+    want = dense_step(step, heads, kv_heads, dim, window, None, sinks)
+    assert_close(out.cpu().view(len(seq_lens), heads, dim), want, torch.float32)

@@ -35,6 +35,12 @@ class AttentionBackend:
     .. p; None: all of them) and ``logit_softcap`` (scores become
     ``cap * tanh(scale * q.k / cap)`` before the softmax; None: no cap).
 
+    ``sinks`` (GPT-OSS), given to ``forward`` as it is a learned parameter of the layer:
+    [num_heads] logits, one per query head, that join every query's softmax denominator
+    as one more column which weighs no value (softmax over [scores, sink], the sink's
+    share dropped), so a query may give less than all of its attention to the keys.
+    None: a plain softmax.
+
     ``fused_qkv`` is where a backend takes more of the attention block into its kernels:
     given the block (``vllmpy.layers.attention.SelfAttention``: its q/k norms, rotary
     embedding and head sizes) and the packed qkv projection, it returns the attention
@@ -62,13 +68,33 @@ class AttentionBackend:
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: torch.Tensor, meta: AttentionMetadata,
                 k_scale: float = 1.0, v_scale: float = 1.0,
-                kv_stored: bool = False) -> torch.Tensor:
+                kv_stored: bool = False, sinks: torch.Tensor | None = None) -> torch.Tensor:
         raise NotImplementedError
 
     def fused_qkv(self, block: Any, qkv: torch.Tensor, positions: torch.Tensor,
                   kv_cache: torch.Tensor, meta: AttentionMetadata, k_scale: float = 1.0,
                   v_scale: float = 1.0) -> torch.Tensor | None:
         return None
+
+
+def check_sinks(sinks: torch.Tensor | None, num_heads: int) -> None:
+    """Refuse sinks that are not one floating value per query head."""
+    if sinks is not None and (tuple(sinks.shape) != (num_heads,)
+                              or not sinks.is_floating_point()):
+        raise ValueError(f"sinks must be a floating [{num_heads}] tensor (one logit per "
+                         f"query head), got {sinks.dtype} {tuple(sinks.shape)}")
+
+
+def sink_softmax(scores: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
+    """softmax over the last dim of float32 ``scores``, with ``sinks`` (float32,
+    broadcast against ``scores[..., :1]``: one logit per row) joining each row's
+    denominator; None: the plain softmax. A row whose keys are all hidden (-inf) gives
+    zeros with a sink."""
+    if sinks is None:
+        return torch.softmax(scores, dim=-1)
+    top = torch.maximum(scores.amax(dim=-1, keepdim=True), sinks)  # finite, for the sink
+    weights = (scores - top).exp_()
+    return weights.div_(weights.sum(dim=-1, keepdim=True) + (sinks - top).exp())
 
 
 def quantize_kv(x: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:
@@ -111,13 +137,16 @@ class TorchReferenceBackend(AttentionBackend):
 
     Plain and slow, but easy to trust: the CPU path and the reference for kernels. With a
     sliding window a request's blocks are read from the one holding the first key its
-    first query sees; with a softcap the scores are computed and capped explicitly.
+    first query sees; with a softcap or sinks the scores are computed explicitly.
     """
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: torch.Tensor, meta: AttentionMetadata,
                 k_scale: float = 1.0, v_scale: float = 1.0,
-                kv_stored: bool = False) -> torch.Tensor:
+                kv_stored: bool = False, sinks: torch.Tensor | None = None) -> torch.Tensor:
+        check_sinks(sinks, self.num_heads)
+        # [heads, 1, 1]: one logit per row of each head's scores
+        head_sinks = None if sinks is None else sinks.float().view(-1, 1, 1)
         num_tokens = meta.num_actual_tokens
         if not kv_stored:
             write_kv_cache(k[:num_tokens], v[:num_tokens], kv_cache,
@@ -127,11 +156,11 @@ class TorchReferenceBackend(AttentionBackend):
         starts = meta.query_start_loc_cpu
         decode_rows = [i for i in range(meta.num_reqs) if starts[i + 1] - starts[i] == 1]
         if len(decode_rows) > 1:
-            self._batched_decode(q, kv_cache, meta, decode_rows, out, scales)
+            self._batched_decode(q, kv_cache, meta, decode_rows, out, scales, head_sinks)
         decode_set = set(decode_rows) if len(decode_rows) > 1 else set()
         for i, seq_len in enumerate(meta.seq_lens_cpu):
             if i not in decode_set:
-                self._one_request(q, kv_cache, meta, i, seq_len, out, scales)
+                self._one_request(q, kv_cache, meta, i, seq_len, out, scales, head_sinks)
         return out
 
     @staticmethod
@@ -151,8 +180,8 @@ class TorchReferenceBackend(AttentionBackend):
         return max(0, position - self.sliding_window + 1) // block_size
 
     def _one_request(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
-                     i: int, seq_len: int, out: torch.Tensor,
-                     scales: tuple[float, float]) -> None:
+                     i: int, seq_len: int, out: torch.Tensor, scales: tuple[float, float],
+                     sinks: torch.Tensor | None) -> None:
         q_start, q_end = meta.query_start_loc_cpu[i], meta.query_start_loc_cpu[i + 1]
         q_len = q_end - q_start
         num_blocks = -(-seq_len // meta.block_size)
@@ -173,12 +202,13 @@ class TorchReferenceBackend(AttentionBackend):
             q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
             mask = _visible(q_pos[:, None], torch.arange(offset, seq_len, device=q.device),
                             window)  # [q_len, keys]
-        attn = self._attention(query, keys.transpose(0, 1), values.transpose(0, 1), mask)
+        attn = self._attention(query, keys.transpose(0, 1), values.transpose(0, 1), mask,
+                               sinks)
         out[q_start:q_end] = attn.transpose(0, 1)
 
     def _batched_decode(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
-                        rows: list[int], out: torch.Tensor,
-                        scales: tuple[float, float]) -> None:
+                        rows: list[int], out: torch.Tensor, scales: tuple[float, float],
+                        sinks: torch.Tensor | None) -> None:
         """Every one-token query of the step in one padded attention call."""
         lens = [meta.seq_lens_cpu[i] for i in rows]
         block = meta.block_size
@@ -206,22 +236,25 @@ class TorchReferenceBackend(AttentionBackend):
         q_pos = torch.tensor(lens, device=q.device)[:, None] - 1
         mask = _visible(q_pos, positions, self.sliding_window)[:, None, None, :]  # [R,1,1,L]
         query = q[tokens].unsqueeze(2)  # [R, heads, 1, head_dim]
-        attn = self._attention(query, keys.transpose(1, 2), values.transpose(1, 2), mask)
+        attn = self._attention(query, keys.transpose(1, 2), values.transpose(1, 2), mask,
+                               sinks)
         out[tokens] = attn.squeeze(2)  # [R, heads, head_dim]
 
     def _attention(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                   mask: torch.Tensor | None) -> torch.Tensor:
+                   mask: torch.Tensor | None, sinks: torch.Tensor | None) -> torch.Tensor:
         """softmax(scores) @ values over [..., heads, len, head_dim] inputs, ``mask`` True
-        where a query sees a key; the scores capped when the layer has a softcap."""
+        where a query sees a key; the scores capped when the layer has a softcap, the
+        ``sinks`` ([heads, 1, 1] float32) in the denominator when given."""
         cap = self.logit_softcap
-        if cap is None:
+        if cap is None and sinks is None:
             return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask,
                                                   scale=self.scale)
         scores = query.float() @ keys.float().transpose(-1, -2) * self.scale
-        scores = cap * torch.tanh(scores / cap)
+        if cap is not None:
+            scores = cap * torch.tanh(scores / cap)
         if mask is not None:
             scores = scores.masked_fill(~mask, float("-inf"))
-        return (scores.softmax(dim=-1) @ values.float()).to(query.dtype)
+        return (sink_softmax(scores, sinks) @ values.float()).to(query.dtype)
 
 
 def _visible(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor:

@@ -27,7 +27,9 @@ to rounding) and spends fewer, cheaper ops on each step:
 - a sliding window is read from the block holding the first key a query sees, so a long
   request costs a window's work: decodes gather from there, prefill pieces read the keys
   their queries see, and the decode copies of a row are a ring of a window's blocks. A
-  softcap caps the scores before the mask is added. Neither adds work when it is off.
+  softcap caps the scores before the mask is added. Sinks (a logit per query head in
+  every softmax denominator) replace the softmax of those rows with ``sink_softmax``.
+  None of them adds work when it is off.
 """
 
 from __future__ import annotations
@@ -38,7 +40,14 @@ import weakref
 
 import torch
 
-from vllmpy.attention.backend import FP8_KV_DTYPE, AttentionBackend, dequantize_kv, write_kv_cache
+from vllmpy.attention.backend import (
+    FP8_KV_DTYPE,
+    AttentionBackend,
+    check_sinks,
+    dequantize_kv,
+    sink_softmax,
+    write_kv_cache,
+)
 from vllmpy.attention.metadata import AttentionMetadata
 
 # The most float32 scores one prefill piece holds at a time (16 MiB)
@@ -72,8 +81,11 @@ class CpuAttentionBackend(AttentionBackend):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: torch.Tensor, meta: AttentionMetadata,
                 k_scale: float = 1.0, v_scale: float = 1.0,
-                kv_stored: bool = False) -> torch.Tensor:
+                kv_stored: bool = False, sinks: torch.Tensor | None = None) -> torch.Tensor:
         num_tokens, scales, slots = meta.num_actual_tokens, (k_scale, v_scale), meta.slot_mapping
+        check_sinks(sinks, self.num_heads)
+        # [kv_heads, group, 1]: each query head's sink, beside its rows of the scores
+        sinks = None if sinks is None else sinks.float().view(self.num_kv_heads, self.group, 1)
         if num_tokens < k.shape[0] or num_tokens < slots.shape[0]:  # padding writes nothing
             k, v, slots = k[:num_tokens], v[:num_tokens], slots[:num_tokens]
         starts = meta.query_start_loc_cpu
@@ -91,10 +103,10 @@ class CpuAttentionBackend(AttentionBackend):
                 if not kv_stored:
                     write_kv_cache(k, v, kv_cache, slots, *scales)
                 if kv_elements > MIRROR_MIN_KV_ELEMENTS:
-                    return self._decode_step(q, kv_cache, meta, scales).to(q.dtype)
+                    return self._decode_step(q, kv_cache, meta, scales, sinks).to(q.dtype)
                 if self._mirror is not None:
                     self._mirror.forget()
-                return self._decode(q, kv_cache, meta, decodes, scales).to(q.dtype)
+                return self._decode(q, kv_cache, meta, decodes, scales, sinks).to(q.dtype)
             finally:
                 if serial:
                     torch.set_num_threads(threads)
@@ -105,7 +117,7 @@ class CpuAttentionBackend(AttentionBackend):
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if decodes:
             tokens = [starts[i] for i in decodes]
-            attn = self._decode(q, kv_cache, meta, decodes, scales)  # [R, heads, dim]
+            attn = self._decode(q, kv_cache, meta, decodes, scales, sinks)  # [R, heads, dim]
             r = len(tokens)
             if tokens == list(range(tokens[0], tokens[0] + r)):
                 out[tokens[0]:tokens[0] + r] = attn
@@ -113,11 +125,12 @@ class CpuAttentionBackend(AttentionBackend):
                 out[torch.tensor(tokens, device=q.device)] = attn.to(q.dtype)
         for i in range(meta.num_reqs):
             if starts[i + 1] - starts[i] > 1:
-                self._prefill(q, kv_cache, meta, i, out, scales)
+                self._prefill(q, kv_cache, meta, i, out, scales, sinks)
         return out
 
     def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
-                rows: list[int], scales: tuple[float, float]) -> torch.Tensor:
+                rows: list[int], scales: tuple[float, float],
+                sinks: torch.Tensor | None) -> torch.Tensor:
         """Attention of the one-token queries of requests ``rows``, in one batch padded to
         the longest: float32 [len(rows), num_heads, head_dim]."""
         starts, dev = meta.query_start_loc_cpu, q.device
@@ -140,7 +153,7 @@ class CpuAttentionBackend(AttentionBackend):
         else:
             bias = self._length_bias(lens, dev)
         keys, values = _gather(kv_cache, table, seq_len, q.dtype, scales)
-        return self._attend(query, keys, values, seq_len, bias)
+        return self._attend(query, keys, values, seq_len, bias, sinks)
 
     def _window_decode(self, table: torch.Tensor, lens: list[int], window: int,
                        block_size: int) -> tuple[torch.Tensor, int, tuple[torch.Tensor, float]]:
@@ -156,19 +169,20 @@ class CpuAttentionBackend(AttentionBackend):
                                              table.device), 1.0)
 
     def _decode_step(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
-                     scales: tuple[float, float]) -> torch.Tensor:
+                     scales: tuple[float, float], sinks: torch.Tensor | None) -> torch.Tensor:
         """A pure decode step (one query row per request, in order): from the copies kept
         since the last step when they have room, else gathered. float32 [R, heads, dim]."""
         mirror, window = self._mirror, self.sliding_window
         if mirror is None or not mirror.fits(kv_cache, meta, window):
             mirror = self._mirror = _DecodeMirror.sized_for(kv_cache, meta, mirror, window)
             if mirror is None:
-                return self._decode(q, kv_cache, meta, list(range(meta.num_reqs)), scales)
+                return self._decode(q, kv_cache, meta, list(range(meta.num_reqs)), scales,
+                                    sinks)
         plan = _DecodePlan.for_step(meta, mirror)
         keys, values = mirror.apply(plan, kv_cache, scales, q.dtype, window)
         capacity = mirror.kv.shape[3]
         return self._attend(q, keys, values, min(plan.longest, capacity),
-                            plan.length_bias(self, capacity))
+                            plan.length_bias(self, capacity), sinks)
 
     def _length_bias(self, lens: list[int], device: torch.device
                      ) -> tuple[torch.Tensor, float]:
@@ -182,16 +196,22 @@ class CpuAttentionBackend(AttentionBackend):
         return no_bias, 0.0  # ignored with beta=0
 
     def _attend(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                seq_len: int, bias: tuple[torch.Tensor, float]) -> torch.Tensor:
+                seq_len: int, bias: tuple[torch.Tensor, float],
+                sinks: torch.Tensor | None) -> torch.Tensor:
         """One-token queries [R, heads, dim] over the first ``seq_len`` of float32 keys and
         values [R * kv_heads, >= seq_len, head_dim] (any strides within a batch entry),
-        with ``bias`` from ``_length_bias``: float32 [R, heads, dim]."""
+        with ``bias`` from ``_length_bias`` and the layer's ``sinks`` ([kv_heads, group,
+        1] float32, or None): float32 [R, heads, dim]."""
         r, kvh, group, dim = query.shape[0], self.num_kv_heads, self.group, self.head_dim
         keys, values = keys[:, :seq_len], values[:, :seq_len]
         # [R, heads, dim] -> [R * kv_heads, group, dim]: batch index request * kv_heads + head
         query = _dense(query, torch.float32).view(r * kvh, group, dim)
         scores = self._scores(bias, query, keys.transpose(1, 2))  # [R * kvh, group, seq_len]
-        attn = torch.bmm(torch.softmax(scores, dim=-1), values)  # [R * kv_heads, group, dim]
+        if sinks is None:
+            weights = torch.softmax(scores, dim=-1)
+        else:  # per (request, kv head, group row)
+            weights = sink_softmax(scores.view(r, kvh, group, -1), sinks).view(scores.shape)
+        attn = torch.bmm(weights, values)  # [R * kv_heads, group, dim]
         return attn.view(r, self.num_heads, dim)
 
     def _scores(self, bias: tuple[torch.Tensor, float], query: torch.Tensor,
@@ -206,7 +226,8 @@ class CpuAttentionBackend(AttentionBackend):
         return scores.add_(bias[0]) if bias[1] else scores
 
     def _prefill(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
-                 i: int, out: torch.Tensor, scales: tuple[float, float]) -> None:
+                 i: int, out: torch.Tensor, scales: tuple[float, float],
+                 sinks: torch.Tensor | None) -> None:
         """Causal attention of request ``i``'s queries (the last ``q_len`` of its
         ``seq_len`` tokens) over its cached keys, written into ``out``."""
         q_start, q_end = meta.query_start_loc_cpu[i], meta.query_start_loc_cpu[i + 1]
@@ -243,7 +264,12 @@ class CpuAttentionBackend(AttentionBackend):
             scores = self._scores((bias.view(1, n * group, end - begin), 1.0),
                                   query.view(kvh, n * group, dim),
                                   keys[:, seen].transpose(1, 2))  # [kvh, n * group, keys]
-            attn = torch.bmm(torch.softmax(scores, dim=-1), values[:, seen])
+            if sinks is None:
+                weights = torch.softmax(scores, dim=-1)
+            else:  # rows (token, group): [kv_heads, n, group, keys], sinks [kv_heads, 1, group, 1]
+                weights = sink_softmax(scores.view(kvh, n, group, -1),
+                                       sinks.unsqueeze(1)).view(scores.shape)
+            attn = torch.bmm(weights, values[:, seen])
             attn = attn.view(kvh, n, group, dim).transpose(0, 1)  # [n, kv_heads, group, dim]
             out[lo:hi].view(n, kvh, group, dim).copy_(attn)
 

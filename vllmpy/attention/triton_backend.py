@@ -29,6 +29,7 @@ class TritonAttentionBackend(AttentionBackend):
     Slots below zero in ``meta.slot_mapping`` are padding rows and are not stored; query
     rows past ``meta.query_start_loc[-1]`` are padding and their output is undefined.
     ``num_splits``, when set, fixes the split-KV count, as CUDA graph replays need.
+    ``fused_qkv`` takes the block's ``sinks`` (None without) into either path.
     """
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
@@ -51,7 +52,7 @@ class TritonAttentionBackend(AttentionBackend):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: torch.Tensor, meta: AttentionMetadata,
                 k_scale: float = 1.0, v_scale: float = 1.0,
-                kv_stored: bool = False) -> torch.Tensor:
+                kv_stored: bool = False, sinks: torch.Tensor | None = None) -> torch.Tensor:
         n = meta.num_actual_tokens
         if not kv_stored:
             reshape_and_cache(k[:n], v[:n], kv_cache, meta.slot_mapping[:n], k_scale, v_scale)
@@ -60,7 +61,7 @@ class TritonAttentionBackend(AttentionBackend):
         paged_attention(q, kv_cache, out, meta.query_start_loc, meta.seq_lens,
                         meta.block_tables, scale=self.scale, max_query_len=max_query_len,
                         max_seq_len=max_seq_len, num_splits=self.num_splits,
-                        k_scale=k_scale, v_scale=v_scale, **self._features())
+                        k_scale=k_scale, v_scale=v_scale, sinks=sinks, **self._features())
         return out
 
     def fused_qkv(self, block: Any, qkv: torch.Tensor, positions: torch.Tensor,
@@ -88,7 +89,8 @@ class TritonAttentionBackend(AttentionBackend):
         out = self.forward(q.view(n, self.num_heads, self.head_dim),
                            k.view(n, self.num_kv_heads, self.head_dim),
                            v.view(n, self.num_kv_heads, self.head_dim),
-                           kv_cache, meta, k_scale, v_scale, kv_stored=store)
+                           kv_cache, meta, k_scale, v_scale, kv_stored=store,
+                           sinks=block.sinks)
         return out.view(n, -1)
 
     def _decode_from_qkv(self, block: Any, qkv: torch.Tensor, positions: torch.Tensor,
@@ -112,7 +114,7 @@ class TritonAttentionBackend(AttentionBackend):
             q_norm_weight=None if q_norm is None else q_norm.weight,
             k_norm_weight=None if k_norm is None else k_norm.weight,
             eps=0.0 if q_norm is None else q_norm.eps,
-            num_splits=self.num_splits, **self._features())
+            num_splits=self.num_splits, sinks=block.sinks, **self._features())
         return out.reshape(n, self.num_heads * self.head_dim)
 
 

@@ -64,9 +64,11 @@ class Attention(nn.Module):
             self.backend = self._backend(CpuAttentionBackend)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                meta: AttentionMetadata, kv_stored: bool = False) -> torch.Tensor:
+                meta: AttentionMetadata, kv_stored: bool = False,
+                sinks: torch.Tensor | None = None) -> torch.Tensor:
         """q: [num_tokens, num_heads * head_dim], k/v: [num_tokens, num_kv_heads * head_dim].
-        ``kv_stored``: the caller has already written k and v at ``meta.slot_mapping``."""
+        ``kv_stored``: the caller has already written k and v at ``meta.slot_mapping``.
+        ``sinks``: the layer's per-head sink logits [num_heads] (see ``AttentionBackend``)."""
         if self.kv_cache is None:
             raise RuntimeError("attention layer used before its KV cache was bound")
         n = q.shape[0]
@@ -74,7 +76,7 @@ class Attention(nn.Module):
             q.view(n, self.num_heads, self.head_dim),
             k.view(n, self.num_kv_heads, self.head_dim),
             v.view(n, self.num_kv_heads, self.head_dim),
-            self.kv_cache, meta, self.k_scale, self.v_scale, kv_stored)
+            self.kv_cache, meta, self.k_scale, self.v_scale, kv_stored, sinks=sinks)
         return out.reshape(n, self.num_heads * self.head_dim)
 
 
@@ -87,6 +89,9 @@ class SelfAttention(nn.Module):
     ``qk_norm`` builds the q/k norms from a width: per head (``qk_norm_per_head``, width
     head_dim: Qwen3, Gemma-3) or over the whole projection (OLMo-2). The backend decides
     what runs fused (``AttentionBackend.fused_qkv``); the model never does.
+
+    ``sinks=True`` gives the block GPT-OSS's ``sinks`` [num_heads], a learned logit per
+    query head in every softmax denominator (kept in float32; None without).
     """
 
     def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int,
@@ -94,7 +99,7 @@ class SelfAttention(nn.Module):
                  qkv_bias: bool = False, o_bias: bool = False,
                  qk_norm: Callable[[int], nn.Module] | None = None,
                  qk_norm_per_head: bool = True, sliding_window: int | None = None,
-                 logit_softcap: float | None = None) -> None:
+                 logit_softcap: float | None = None, sinks: bool = False) -> None:
         super().__init__()
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
@@ -112,6 +117,11 @@ class SelfAttention(nn.Module):
             self.q_norm = qk_norm(head_dim if qk_norm_per_head else self.q_size)
             self.k_norm = qk_norm(head_dim if qk_norm_per_head else self.kv_size)
         self.rotary_emb = rotary
+        self.sinks: nn.Parameter | None = None
+        if sinks:
+            self.sinks = nn.Parameter(torch.empty(num_heads, dtype=torch.float32),
+                                      requires_grad=False)
+            self.sinks.keep_dtype = True  # type: ignore[attr-defined]
         self.attn = Attention(num_heads, num_kv_heads, head_dim,
                               head_dim ** -0.5 if scale is None else scale,
                               sliding_window=sliding_window, logit_softcap=logit_softcap)
@@ -152,7 +162,7 @@ class SelfAttention(nn.Module):
                 q, k = self.q_norm(q), self.k_norm(k)
         if self.rotary_emb is not None:
             q, k = self.rotary_emb(positions, q, k)
-        return self.o_proj(attn(q, k, v, attn_metadata))
+        return self.o_proj(attn(q, k, v, attn_metadata, sinks=self.sinks))
 
 
 # A layer's KV-cache scales as checkpoints name them, relative to the decoder layer's

@@ -21,9 +21,10 @@ Rotary is the NeoX form (the two halves of each head rotate together), as
 ``vllmpy.ops.fused.rotary_embedding``: heads are handled as two halves of head_dim / 2,
 which must be a power of two of at least 16.
 
-A sliding window and a logit softcap are taken as ``paged_attention`` takes them, as
-constexprs. The window's first key is ``seq_len - window``; the splits divide only the
-tiles from the one that holds it, in the attention kernel and the merge alike.
+A sliding window, a logit softcap and sinks are taken as ``paged_attention`` takes them,
+as constexprs. The window's first key is ``seq_len - window``; the splits divide only the
+tiles from the one that holds it, in the attention kernel and the merge alike. A sink
+starts split 0's online softmax, so the merge counts it once.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from vllmpy.ops.paged_attention import (
     partial_buffers,
     score_scales,
     soft_cap,
+    softmax_start,
     store_normalized,
     store_partial,
 )
@@ -121,14 +123,14 @@ def _new_token(src, kv_head, num_heads, num_kv_heads, half, dims, HEAD_DIM: tl.c
 @triton.jit(do_not_specialize=["num_splits", "stride_bt"])
 def _decode_attention_kernel(
     qkv_ptr, pos_ptr, cos_sin_ptr, qw_ptr, kw_ptr, slot_ptr,
-    cache_ptr, out_ptr, part_acc_ptr, part_ml_ptr, seq_lens_ptr, block_table_ptr,
+    cache_ptr, out_ptr, part_acc_ptr, part_ml_ptr, seq_lens_ptr, block_table_ptr, sinks_ptr,
     score_scale, eps, window, softcap_log2, num_splits, num_heads, num_kv_heads,
     stride_qkv, stride_cs, stride_o_tok, stride_o_head,
     stride_c_kv, stride_c_blk, stride_c_slot, stride_c_head, stride_bt,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, TILE: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, SPLIT: tl.constexpr,
     MIN_TILES: tl.constexpr, QK_NORM: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    SLIDING: tl.constexpr, SOFTCAP: tl.constexpr, PDL: tl.constexpr,
+    SLIDING: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr, PDL: tl.constexpr,
 ):
     HALF: tl.constexpr = HEAD_DIM // 2
     seq = tl.program_id(0)
@@ -200,8 +202,8 @@ def _decode_attention_kernel(
         qw1, qw2 = load_norm_halves(qw_ptr, HEAD_DIM, HALF, QK_NORM)
     q1, q2 = norm_rotate_halves(q1, q2, qw1, qw2, cos, sin, eps, HEAD_DIM, QK_NORM)
 
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max, log2 domain
-    l_i = tl.zeros([BLOCK_M], tl.float32)  # running sum of exp2(s - m_i)
+    # running max (log2 domain) and running sum of exp2(s - m_i); a sink joins split 0's
+    m_i, l_i = softmax_start(sinks_ptr, head, row_ok, split == 0, BLOCK_M, SINKS)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     first = tile_lo
     # A window's first tile is loaded whole (its keys before the window are cached keys
@@ -287,7 +289,8 @@ def supports(head_dim: int, kv_cache: torch.Tensor, dtype: torch.dtype, *,
              sliding_window: int | None = None, logit_softcap: float | None = None) -> bool:
     """Whether ``decode_attention`` takes this geometry: head_dim / 2 a power of two of at
     least 16, and a cache of the model's own dtype (an fp8 cache needs the quantizing
-    writer). Every sliding window and logit softcap is taken, alone or together."""
+    writer). Every sliding window and logit softcap is taken, alone or together, and so
+    are sinks."""
     del sliding_window, logit_softcap  # the kernel handles both
     half = head_dim // 2
     return (head_dim % 2 == 0 and half >= 16 and half & (half - 1) == 0
@@ -302,7 +305,8 @@ def decode_attention(qkv: torch.Tensor, positions: torch.Tensor, cos_sin_cache: 
                      num_splits: int | None = None,
                      min_tiles_per_split: int = MIN_TILES_PER_SPLIT,
                      sliding_window: int | None = None,
-                     logit_softcap: float | None = None) -> torch.Tensor:
+                     logit_softcap: float | None = None,
+                     sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Attention output [num_seqs, num_heads, head_dim] of a decode step, one query token
     per request (token i is request i's: a decode step's query_start_loc is arange), from
     ``qkv`` [num_seqs, (num_heads + 2 * num_kv_heads) * head_dim] (q, k, v packed, before
@@ -312,9 +316,9 @@ def decode_attention(qkv: torch.Tensor, positions: torch.Tensor, cos_sin_cache: 
     ``q_norm_weight`` and ``k_norm_weight`` ([head_dim], of qkv's dtype) q and k get
     Qwen3's per-head RMSNorm (``eps``) first. ``max_seq_len`` and ``num_splits`` as in
     ``paged_attention``; a request uses at most one split per ``min_tiles_per_split``
-    tiles of its keys (of its window's, with a window). ``sliding_window`` and
-    ``logit_softcap`` as in ``paged_attention``."""
-    check_features(sliding_window, logit_softcap)
+    tiles of its keys (of its window's, with a window). ``sliding_window``,
+    ``logit_softcap`` and ``sinks`` as in ``paged_attention``."""
+    check_features(sliding_window, logit_softcap, sinks, num_heads, qkv.device)
     num_seqs = seq_lens.shape[0]
     if kv_cache.dim() != 5 or kv_cache.shape[0] != 2 or kv_cache.stride(-1) != 1:
         raise ValueError("kv_cache must be [2, num_blocks, block_size, num_kv_heads, "
@@ -379,7 +383,7 @@ def decode_attention(qkv: torch.Tensor, positions: torch.Tensor, cos_sin_cache: 
         qkv, positions, cos_sin_cache, q_norm_weight if qk_norm else qkv,
         k_norm_weight if qk_norm else qkv, slot_mapping,
         kv_cache, out, part_acc, part_ml, seq_lens, block_tables,
-        score_scale, float(eps), window, softcap_log2, num_splits, num_heads, num_kv_heads,
+        qkv if sinks is None else sinks, score_scale, float(eps), window, softcap_log2, num_splits, num_heads, num_kv_heads,
         qkv.stride(0), cos_sin_cache.stride(0), out.stride(0), out.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         block_tables.stride(0),
@@ -387,7 +391,7 @@ def decode_attention(qkv: torch.Tensor, positions: torch.Tensor, cos_sin_cache: 
         HEAD_DIM=head_dim, BLOCK_SIZE=block_size, SPLIT=num_splits > 1,
         MIN_TILES=min_tiles_per_split, QK_NORM=qk_norm,
         DOT_PRECISION="ieee" if qkv.dtype == torch.float32 else "tf32",
-        SLIDING=sliding, SOFTCAP=logit_softcap is not None,
+        SLIDING=sliding, SOFTCAP=logit_softcap is not None, SINKS=sinks is not None,
         num_warps=SPLIT_WARPS if num_splits > 1 else 4, num_stages=3, **pdl,
     )
     if num_splits > 1:

@@ -43,6 +43,11 @@ without them compiles to the plain kernel:
   split-KV divides only the tiles from there, so a long request with a small window
   costs window-sized work.
 - ``logit_softcap`` c: a score s = scale * q.k becomes c * tanh(s / c) before the softmax.
+- ``sinks`` [num_heads] (GPT-OSS): one logit per query head that joins each of its
+  queries' softmax denominators and weighs no value (softmax over [scores, sink], the
+  sink's share dropped). The online softmax starts from it, running max = sink and running
+  sum = 1, instead of -inf and 0; under split-KV only split 0 starts from it, so the merge
+  counts it once.
 """
 
 from __future__ import annotations
@@ -71,6 +76,7 @@ MAX_SPLITS = 64
 PROGRAMS_PER_SM = 2
 LOG2E = math.log2(math.e)
 TWO_LOG2E = tl.constexpr(2 * LOG2E)
+SINK_LOG2E = tl.constexpr(LOG2E)  # a sink logit into the kernels' log2 domain
 
 
 # ---- reshape_and_cache -----------------------------------------------------------------
@@ -187,6 +193,22 @@ def online_softmax(s, m_i, l_i):
 
 
 @triton.jit
+def softmax_start(sinks_ptr, head, row_ok, take_sink, BLOCK_M: tl.constexpr,
+                  SINKS: tl.constexpr):
+    """The online softmax's (running max, running sum) [BLOCK_M] before the first tile, for
+    rows of query heads ``head``: (-inf, 0), or with SINKS where ``take_sink``
+    (sink * log2(e), 1), as though the sink were a key of that score with a zero value."""
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    if SINKS:
+        sink = tl.load(sinks_ptr + head, mask=row_ok, other=0.0).to(tl.float32) * SINK_LOG2E
+        start = row_ok & take_sink
+        m_i = tl.where(start, sink, m_i)
+        l_i = tl.where(start, 1.0, l_i)
+    return m_i, l_i
+
+
+@triton.jit
 def soft_cap(x, cap_log2):
     """The softcapped score in the log2 domain, cap * tanh(x) * log2(e), from x = s / cap
     (s the natural-domain score, cap_log2 = cap * log2(e)): tanh as 1 - 2 / (1 + e^2x),
@@ -202,9 +224,19 @@ def score_scales(scale: float, logit_softcap: float | None) -> tuple[float, floa
     return scale / logit_softcap, logit_softcap * LOG2E
 
 
-def check_features(sliding_window: int | None, logit_softcap: float | None) -> None:
-    """Refuse a window below 1 (or not an integer) and a softcap that is not a positive
-    finite number."""
+def check_features(sliding_window: int | None, logit_softcap: float | None,
+                   sinks: torch.Tensor | None = None, num_heads: int = 0,
+                   device: torch.device | None = None) -> None:
+    """Refuse a window below 1 (or not an integer), a softcap that is not a positive
+    finite number, and sinks that are not a contiguous floating [num_heads] on
+    ``device``."""
+    if sinks is not None and (tuple(sinks.shape) != (num_heads,)
+                              or sinks.dtype not in (torch.float32, torch.bfloat16,
+                                                     torch.float16)
+                              or sinks.stride(0) != 1 or sinks.device != device):
+        raise ValueError(f"sinks must be a contiguous float [{num_heads}] tensor (one logit "
+                         f"per query head) on {device}, got {sinks.dtype} "
+                         f"{tuple(sinks.shape)} on {sinks.device}")
     if sliding_window is not None and (isinstance(sliding_window, bool)
                                        or not isinstance(sliding_window, int)
                                        or sliding_window < 1):
@@ -262,7 +294,7 @@ def merge_partials(part_acc_ptr, part_ml_ptr, out_ptr, tok, head, num_heads, num
 @triton.jit(do_not_specialize=["num_seqs", "num_splits", "stride_bt"])
 def _paged_attention_kernel(
     q_ptr, cache_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
-    query_start_ptr, seq_lens_ptr, block_table_ptr,
+    query_start_ptr, seq_lens_ptr, block_table_ptr, sinks_ptr,
     score_scale, k_scale, v_scale, window, softcap_log2,
     num_seqs, num_splits, num_heads, head_dim,
     stride_q_tok, stride_q_head, stride_o_tok, stride_o_head,
@@ -270,7 +302,8 @@ def _paged_attention_kernel(
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
     BLOCK_M: tl.constexpr, TILE_N: tl.constexpr, DIM_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    QUANT: tl.constexpr, SLIDING: tl.constexpr, SOFTCAP: tl.constexpr, PDL: tl.constexpr,
+    QUANT: tl.constexpr, SLIDING: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     pdl_wait(PDL)
     q_block = tl.program_id(0)
@@ -325,8 +358,8 @@ def _paged_attention_kernel(
         tile_hi = num_tiles
 
     qk_scale = score_scale * k_scale if QUANT else score_scale
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max, log2 domain
-    l_i = tl.zeros([BLOCK_M], tl.float32)  # running sum of exp2(s - m_i)
+    # running max (log2 domain) and running sum of exp2(s - m_i); a sink joins split 0's
+    m_i, l_i = softmax_start(sinks_ptr, row_head, row_ok, split == 0, BLOCK_M, SINKS)
     acc = tl.zeros([BLOCK_M, DIM_PAD], tl.float32)
     table_row = block_table_ptr + seq * stride_bt
     cols = tl.arange(0, TILE_N)
@@ -446,7 +479,8 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor,
                     config: AttentionKernelConfig | None = None,
                     k_scale: float = 1.0, v_scale: float = 1.0,
                     sliding_window: int | None = None,
-                    logit_softcap: float | None = None) -> torch.Tensor:
+                    logit_softcap: float | None = None,
+                    sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of every request's new queries over its cached keys and values.
 
     q, out: [num_tokens, num_heads, head_dim] (rows past ``query_start_loc[-1]`` are
@@ -458,10 +492,11 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor,
     the split count (a CUDA graph needs the same one on every replay). An fp8 cache is
     read as ``page * k_scale`` / ``page * v_scale``. ``sliding_window`` W limits the query
     at position p to the keys at p - W + 1 .. p; ``logit_softcap`` c turns each score s
-    into c * tanh(s / c). Returns ``out``.
+    into c * tanh(s / c); ``sinks`` [num_heads] (float, q's device) join each query's
+    softmax denominator. Returns ``out``.
     """
     _check_attention_args(q, kv_cache, out, query_start_loc, seq_lens, block_tables)
-    check_features(sliding_window, logit_softcap)
+    check_features(sliding_window, logit_softcap, sinks, q.shape[1], q.device)
     quant = kv_cache.dtype == FP8_KV_DTYPE
     if quant:
         _check_scales(k_scale, v_scale)
@@ -493,7 +528,7 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor,
     score_scale, softcap_log2 = score_scales(scale, logit_softcap)
     _paged_attention_kernel[(num_q_blocks, num_kv_heads, num_splits)](
         q, kv_cache, out, part_acc, part_ml,
-        query_start_loc, seq_lens, block_tables,
+        query_start_loc, seq_lens, block_tables, q if sinks is None else sinks,
         score_scale, float(k_scale), float(v_scale), sliding_window or 0, softcap_log2,
         num_seqs, num_splits, num_heads, head_dim,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
@@ -503,7 +538,7 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor,
         TILE_N=cfg.tile_n, DIM_PAD=dim_pad, BLOCK_SIZE=block_size, SPLIT=num_splits > 1,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", QUANT=quant,
         SLIDING=sliding_window is not None, SOFTCAP=logit_softcap is not None,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(q.device),
+        SINKS=sinks is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(q.device),
     )
     if num_splits > 1:
         _merge_splits_kernel[(num_tokens, num_heads)](
@@ -519,10 +554,12 @@ def paged_attention_ref(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc
                         seq_lens: torch.Tensor, block_tables: torch.Tensor,
                         scale: float, k_scale: float = 1.0, v_scale: float = 1.0,
                         sliding_window: int | None = None,
-                        logit_softcap: float | None = None) -> torch.Tensor:
+                        logit_softcap: float | None = None,
+                        sinks: torch.Tensor | None = None) -> torch.Tensor:
     """PyTorch reference for ``paged_attention``: per request, gather its blocks and run
     masked softmax attention in fp32 (an fp8 cache dequantized as page * scale), with the
-    window and the softcap when given. Rows past the last request come back as zeros."""
+    window, the softcap and the sinks (a column of the softmax, dropped after it) when
+    given. Rows past the last request come back as zeros."""
     quant = kv_cache.dtype == FP8_KV_DTYPE
     out = torch.zeros_like(q)
     block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
@@ -548,8 +585,13 @@ def paged_attention_ref(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc
         visible = behind >= 0  # [q_len, seq_len]
         if sliding_window is not None:
             visible &= behind < sliding_window
-        scores = scores.masked_fill(~visible, float("-inf"))
-        out[q_start:q_end] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), kv[1]).to(q.dtype)
+        scores = scores.masked_fill(~visible, float("-inf"))  # [heads, q_len, seq_len]
+        if sinks is not None:
+            column = sinks.float().view(-1, 1, 1).expand(-1, scores.shape[1], 1)
+            weights = torch.cat([scores, column], dim=-1).softmax(-1)[..., :-1]
+        else:
+            weights = scores.softmax(-1)
+        out[q_start:q_end] = torch.einsum("hqk,khd->qhd", weights, kv[1]).to(q.dtype)
     return out
 
 
