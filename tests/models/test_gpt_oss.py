@@ -179,20 +179,56 @@ def test_config_reading_and_refusals():
         GptOssForCausalLM(GptOssConfig.from_hf({**base, "num_experts_per_tok": 7}, ARCH))
 
 
-def test_mxfp4_checkpoints_are_refused_by_name(tiny, tmp_path):
-    """The released checkpoints' MXFP4 experts: refused at configuration, naming the
-    format, before any weight is read."""
-    kind, path, _ = tiny
+def _mxfp4_encode(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Blocks [..., G, 16] and scales [..., G] of w [..., G * 32]: per group of 32 the
+    power of two that brings its largest value to at most 6, each value rounded to the
+    nearest FP4 e2m1 value (the test's own encoder; transformers decodes the bytes)."""
+    grid = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+    groups = w.reshape(*w.shape[:-1], -1, 32)
+    amax = groups.abs().amax(dim=-1).clamp(min=1e-30)
+    exp = torch.ceil(torch.log2(amax / 6.0)).clamp(-127, 127)
+    scaled = groups / torch.exp2(exp)[..., None]
+    index = (scaled.abs()[..., None] - grid).abs().argmin(dim=-1)
+    nibble = (index + 8 * (scaled < 0)).to(torch.uint8)
+    blocks = nibble[..., 0::2] | (nibble[..., 1::2] << 4)
+    return blocks, (exp + 127).to(torch.uint8)
+
+
+def test_mxfp4_experts_are_dequantized_at_load(tiny, tmp_path, capfd):
+    """The released checkpoints' layout: each expert tensor as MXFP4 blocks and scales
+    (blocks along the input features), dense everything else; against transformers
+    running its own decoding of the same bytes."""
+    import copy
+
+    import safetensors.torch as st
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    kind, path, hf_model = tiny
     if kind != "main":
-        pytest.skip("one config covers the refusal")
+        pytest.skip("one config covers the format")
+    tensors = st.load_file(str(path / "model.safetensors"))
+    oracle = copy.deepcopy(hf_model)
+    for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        dense = tensors.pop(name)  # [E, in, out]
+        blocks, scales = _mxfp4_encode(dense.transpose(1, 2).contiguous())
+        tensors[f"{name}_blocks"], tensors[f"{name}_scales"] = blocks, scales
+        decoded = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)
+        assert decoded.shape == dense.shape
+        oracle.get_parameter(name).data.copy_(decoded)
+    st.save_file(tensors, str(tmp_path / "model.safetensors"))
     config = json.loads((path / "config.json").read_text())
     config["quantization_config"] = {
         "quant_method": "mxfp4",
         "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
                                    "model.embed_tokens", "lm_head"]}
     (tmp_path / "config.json").write_text(json.dumps(config))
-    shutil.copy(path / "model.safetensors", tmp_path / "model.safetensors")
-    with pytest.raises(ConfigError, match=r"quant_method 'mxfp4': MXFP4"):
+    prompts = _prompts(3, seed=6)
+    outs = _llm(tmp_path).generate(prompts, GREEDY)
+    assert "MXFP4 experts: 6 tensor(s) dequantized to float32" in capfd.readouterr().err
+    assert_outputs_match(outs, oracle, prompts, min_tokens=3 * 16, label="gpt-oss mxfp4")
+    del tensors["model.layers.1.mlp.experts.down_proj_scales"]
+    st.save_file(tensors, str(tmp_path / "model.safetensors"))
+    with pytest.raises(Exception, match=r"without their other half.*layers\.1\.mlp\.experts"):
         _llm(tmp_path)
 
 

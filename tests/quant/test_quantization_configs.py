@@ -57,7 +57,7 @@ def test_hf_quant_config_json_declares_modelopt(tmp_path):
 
 @pytest.mark.parametrize("section,match", [
     ({"quant_method": "bitsandbytes"}, "'bitsandbytes': bitsandbytes"),
-    ({"quant_method": "mxfp4"}, "'mxfp4': MXFP4"),
+    ({"quant_method": "mxfp4", "group_size": 32}, r"mxfp4 keys \['group_size'\]"),
     ({"quant_method": "exl3"}, "'exl3': EXL3"),
     ({"quant_method": "marlin_v9"}, "'marlin_v9' is not supported; supported"),
     ({"quant_method": "fp8", "fmt": "e5m2"}, "fmt='e5m2'"),

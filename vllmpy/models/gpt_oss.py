@@ -7,7 +7,8 @@ with biases) under the clamped SwiGLU (``swiglu_limit``); read top to bottom lik
 Hugging Face modeling file.
 
 Checkpoints whose experts are MXFP4 (``quantization_config.quant_method: mxfp4``, the
-released ones) are refused at configuration by the quantization registry, by name.
+released ones) have them dequantized to the model's dtype at load
+(``vllmpy.layers.quantization.mxfp4``).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from vllmpy.layers.embedding import VocabEmbedding, head_logits
 from vllmpy.layers.linear import Linear, rms_norm_linear
 from vllmpy.layers.moe import ExpertLayout, FusedMoE, mark_router
 from vllmpy.layers.norm import RMSNorm
+from vllmpy.layers.quantization.mxfp4 import dequantize_pairs
 from vllmpy.layers.rotary import RotaryEmbedding
 from vllmpy.models.config_reader import (
     ConfigReader,
@@ -202,5 +204,8 @@ class GptOssForCausalLM(nn.Module):
         if self.config.tie_word_embeddings:
             skip += ("lm_head.weight",)
         scales = KVScaleLoader(self)  # k_scale / v_scale go to the attention layers
+        # MXFP4 experts (``*_blocks`` / ``*_scales``) come back as their dense [E, in, out]
+        dtype = self.model.layers[0].mlp.experts.w13.dtype
+        weights = dequantize_pairs(weights, dtype, transpose=True)
         return load_packed_weights(self, scales.filter(weights), PACKED_QKV_GATE_UP,
                                    skip) | scales.loaded

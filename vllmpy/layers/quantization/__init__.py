@@ -35,12 +35,12 @@ METHODS: dict[str, str] = {
     "modelopt": "vllmpy.layers.quantization.modelopt:ModelOptConfig",
     "awq": "vllmpy.layers.quantization.awq:AWQConfig",
     "gptq": "vllmpy.layers.quantization.gptq:GPTQConfig",
+    "mxfp4": "vllmpy.layers.quantization.mxfp4:Mxfp4Config",
 }
 
 # formats recognised and refused: quant_method -> why
 REFUSED: dict[str, str] = {
     "bitsandbytes": "bitsandbytes 4/8-bit weights are not supported",
-    "mxfp4": "MXFP4 weights are not supported yet",
     "nvfp4": "NVFP4 weights are not supported yet",
     "exl2": "EXL2 weights are not supported",
     "exl3": "EXL3 weights are not supported yet",
