@@ -67,6 +67,12 @@ FAMILIES: dict[str, tuple[str, dict]] = {
     "PhimoeForCausalLM": ("PhimoeConfig", dict(
         BASE, intermediate_size=48, num_local_experts=8, num_experts_per_tok=2,
         sliding_window=12, attention_bias=True, lm_head_bias=True, router_jitter_noise=1.0)),
+    "GptOssForCausalLM": ("GptOssConfig", dict(
+        BASE, head_dim=64, intermediate_size=48, num_local_experts=6, num_experts_per_tok=2,
+        sliding_window=12, layer_types=WINDOWED, swiglu_limit=1.5,
+        rope_parameters={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0,
+                         "beta_slow": 1.0, "truncate": False,
+                         "original_max_position_embeddings": 128, "rope_theta": 10000.0})),
     "GraniteMoeForCausalLM": ("GraniteMoeConfig", dict(
         BASE, intermediate_size=48, num_local_experts=6, num_experts_per_tok=2,
         attention_bias=True, embedding_multiplier=2.0, residual_multiplier=0.5,
