@@ -152,3 +152,29 @@ def _make_config_variant(**overrides) -> torch.nn.Module:
         for name, p in model.named_parameters():
             p.normal_(1.0, 0.1) if "norm" in name else p.normal_(0, 0.15)
     return model.float().eval()
+
+
+def test_moe_stats_summary_at_exit(tiny):
+    """VT_MOE_STATS=1: the load of every MoE layer printed to stderr when the process ends;
+    each of the 3 sparse layers routes every token of the run to top-k=2 experts."""
+    import os
+    import subprocess
+    import sys
+
+    kind, path, _ = tiny
+    if kind != "sparse":
+        pytest.skip("one config covers the summary")
+    script = ("from vllmpy import LLM, SamplingParams\n"
+              f"llm = LLM({str(path)!r}, skip_tokenizer_init=True, device='cpu', "
+              "dtype='float32', block_size=16, num_blocks=16)\n"
+              "llm.generate([[3, 4, 5, 6, 7]], SamplingParams(max_tokens=4, temperature=0, "
+              "ignore_eos=True))\n")
+    env = {**os.environ, "VT_MOE_STATS": "1"}
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("  layer ")]
+    assert len(lines) == 3, proc.stderr[-2000:]
+    # 5 prompt tokens and 3 decoded ones (the 4th is sampled, never fed back) times k=2
+    assert all(ln.split(": ", 1)[1].startswith("16 routed over 8 experts") for ln in lines), lines
+    assert "all layers: 48 routed over 8 experts" in proc.stderr

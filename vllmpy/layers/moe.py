@@ -46,7 +46,7 @@ from vllmpy.layers.quantization.base import MoEMethod, mark_router
 
 __all__ = ["EXPERT_PROJECTIONS", "ExpertLayout", "FusedMoE", "SparseMoeBlock",
            "expert_activation", "mark_router", "moe_reference", "moe_stats_summary",
-           "select_experts"]
+           "reset_moe_stats", "select_experts"]
 
 # a checkpoint's names for each expert's gate, up and down projections
 EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
@@ -177,6 +177,14 @@ def moe_stats_summary() -> list[str]:
     if total is not None and len(layers) > 1:
         lines.append("  all layers: " + _load_line(total))
     return lines
+
+
+def reset_moe_stats(model: nn.Module) -> None:
+    """Zero the expert-load counts of ``model``'s MoE layers (VT_MOE_STATS=1): once the
+    engine is up, so that the summary counts requests, not start-up's warm-up passes."""
+    for module in model.modules():
+        if isinstance(module, FusedMoE) and module.expert_tokens is not None:
+            module.expert_tokens.zero_()
 
 
 def _load_line(counts: torch.Tensor) -> str:

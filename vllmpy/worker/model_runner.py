@@ -180,6 +180,9 @@ class ModelRunner(StartupMixin):
         report_kv_scales(layers, cache.kv_cache_dtype)  # fp8 without checkpoint scales
         if self.device.type == "cuda" and not self.config.enforce_eager:
             self._capture_graphs()
+        from vllmpy.layers.moe import reset_moe_stats
+
+        reset_moe_stats(self.model)  # VT_MOE_STATS counts from here: requests, no warm-up
 
     def _attention_layers(self) -> list[Attention]:
         assert isinstance(self.model, nn.Module)
