@@ -17,7 +17,8 @@ from vllmpy import LLM, SamplingParams
 from vllmpy.layers.moe import ExpertLayout, FusedMoE, SparseMoeBlock, moe_reference
 from vllmpy.layers.quantization import QuantizationError, quantization_config, quantize_model
 from vllmpy.layers.quantization.dense import DenseMethod
-from vllmpy.layers.quantization.fp8 import Fp8Config, Fp8MoEMethod
+from vllmpy.layers.quantization.fp8 import Fp8Config
+from vllmpy.layers.quantization.fp8_moe import Fp8MoEMethod
 
 FP8 = torch.float8_e4m3fn
 BLOCK_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
