@@ -13,7 +13,8 @@ from hf_oracle import assert_outputs_match
 
 from vllmpy import LLM, SamplingParams
 from vllmpy.config import ConfigError
-from vllmpy.models.gpt_oss import GptOssConfig, GptOssForCausalLM, route
+from vllmpy.layers.moe import select_experts
+from vllmpy.models.gpt_oss import GptOssConfig, GptOssForCausalLM
 
 ARCH = "GptOssForCausalLM"
 GREEDY = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True, logprobs=5)
@@ -142,7 +143,7 @@ def test_routing_picks_transformers_experts_at_rounding_ties():
         with torch.no_grad():
             router.weight.zero_()
         x = torch.randn(3, 8)
-        weights, ids = route(logits, top_k)
+        weights, ids = select_experts(logits, top_k, True, "topk_softmax")
         for row in range(3):
             with torch.no_grad():
                 router.bias.copy_(logits[row])

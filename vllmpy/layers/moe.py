@@ -3,6 +3,10 @@
 Routing (``select_experts``) follows the Hugging Face modeling files:
 - softmax scoring (Qwen2/3-MoE, Mixtral, OLMoE): softmax over every expert in fp32, the
   top k, renormalised to sum to 1 when the config says ``norm_topk_prob``;
+- top-k-then-softmax scoring (GPT-OSS, GraniteMoE): the top k of the logits, softmaxed
+  among themselves: the renormalised weights of softmax scoring, but chosen on the logits
+  (two logits that differ can round to one probability, and the experts must be the ones
+  transformers picks);
 - sigmoid scoring (DeepSeek-V3): sigmoid scores, a per-expert correction bias added for
   the choice only, the experts split into ``n_group`` groups ranked by the sum of their two
   best biased scores, the top k chosen inside the best ``topk_group`` groups, their
@@ -57,7 +61,7 @@ def select_experts(logits: torch.Tensor, top_k: int, renormalize: bool,
                    n_group: int | None = None, topk_group: int | None = None,
                    routed_scaling_factor: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """The routing weights (fp32) and expert ids (int64), both [T, top_k], of router logits
-    [T, E]; see the module docstring for the two scorings."""
+    [T, E]; see the module docstring for the three scorings."""
     num_experts = logits.shape[-1]
     if not 1 <= top_k <= num_experts:
         raise ValueError(f"top_k must lie in 1..{num_experts}, got {top_k}")
@@ -67,8 +71,12 @@ def select_experts(logits: torch.Tensor, top_k: int, renormalize: bool,
         if renormalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return weights * routed_scaling_factor if routed_scaling_factor != 1.0 else weights, ids
+    if scoring == "topk_softmax":
+        top, ids = torch.topk(logits, top_k, dim=-1)
+        return torch.softmax(top, dim=-1), ids
     if scoring != "sigmoid":
-        raise ValueError(f"unknown router scoring {scoring!r} (softmax or sigmoid)")
+        raise ValueError(f"unknown router scoring {scoring!r} (softmax, topk_softmax or "
+                         "sigmoid)")
     scores = logits.sigmoid()
     choice = scores if correction_bias is None else scores + correction_bias.float()
     if n_group is not None and n_group > 1:

@@ -25,7 +25,7 @@ from vllmpy.config import ConfigError, TextModelConfig
 from vllmpy.layers.attention import KVScaleLoader, SelfAttention
 from vllmpy.layers.embedding import VocabEmbedding, head_logits
 from vllmpy.layers.linear import Linear, rms_norm_linear
-from vllmpy.layers.moe import ExpertLayout, FusedMoE, mark_router
+from vllmpy.layers.moe import ExpertLayout, FusedMoE, mark_router, select_experts
 from vllmpy.layers.norm import RMSNorm
 from vllmpy.layers.quantization.mxfp4 import dequantize_pairs
 from vllmpy.layers.rotary import RotaryEmbedding
@@ -108,19 +108,10 @@ class GptOssConfig(TextModelConfig):
                    attention_bias=r.get("attention_bias", True, bool))
 
 
-def route(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The routing weights (fp32) and expert ids (int64), both [T, top_k], of router
-    logits [T, E]: the top-k logits, softmaxed among themselves. The weights equal the
-    renormalised top k of the full softmax (``select_experts``), but the choice is made on
-    the logits: two logits that differ can round to one probability, and the experts must
-    be the ones transformers picks."""
-    top, ids = torch.topk(logits.float(), top_k, dim=-1)
-    return torch.softmax(top, dim=-1), ids
-
-
 class GptOssMLP(nn.Module):
-    """The MoE MLP: ``router`` (Linear [E, H] with a bias) scores the experts, ``route``
-    picks them, ``experts`` (``FusedMoE``) run them."""
+    """The MoE MLP: ``router`` (Linear [E, H] with a bias) scores the experts,
+    ``select_experts`` (top-k then softmax) picks them, ``experts`` (``FusedMoE``) run
+    them."""
 
     def __init__(self, config: GptOssConfig) -> None:
         super().__init__()
@@ -135,7 +126,7 @@ class GptOssMLP(nn.Module):
                                 swiglu_limit=config.swiglu_limit)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = route(self.router(x), self.top_k)  # [num_tokens, top_k] each
+        weights, ids = select_experts(self.router(x), self.top_k, True, "topk_softmax")  # [num_tokens, top_k] each
         return self.experts(x, weights, ids)
 
 

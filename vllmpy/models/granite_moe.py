@@ -32,7 +32,7 @@ from vllmpy.layers.attention import KVScaleLoader, SelfAttention
 from vllmpy.layers.embedding import VocabEmbedding, head_logits
 from vllmpy.layers.linear import Linear, rms_norm_linear
 from vllmpy.layers.mlp import GatedMLP
-from vllmpy.layers.moe import FusedMoE, mark_router
+from vllmpy.layers.moe import FusedMoE, mark_router, select_experts
 from vllmpy.layers.norm import RMSNorm
 from vllmpy.layers.rotary import RotaryEmbedding
 from vllmpy.models.config_reader import ConfigReader, decoder_fields, rope_settings
@@ -108,9 +108,8 @@ class GraniteMoeMoE(nn.Module):
                                 config.intermediate_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        logits = self.router(x).float()  # [num_tokens, num_experts]
-        top, ids = torch.topk(logits, self.top_k, dim=-1)  # [num_tokens, top_k]
-        return self.experts(x, torch.softmax(top, dim=-1), ids)
+        weights, ids = select_experts(self.router(x), self.top_k, True, "topk_softmax")
+        return self.experts(x, weights, ids)
 
 
 class GraniteMoeDecoderLayer(nn.Module):
