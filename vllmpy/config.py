@@ -103,6 +103,8 @@ class EngineConfig:
     async_scheduling: bool = False
     # Structured output: append the text a grammar forces without a forward pass per token
     enable_jump_forward: bool = False
+    # Speculative decoding (a spec_decode.config.SpeculativeConfig), None when off
+    speculative: Any = None
 
 
 @dataclass
@@ -138,6 +140,7 @@ class EngineArgs:
     offload_config: str | dict[str, Any] | None = None  # vLLM's OffloadConfig JSON; likewise
     cuda_profile_graph_replays: int = 0  # > 0 arms the CUDA-graph-replay profiler (not built)
     cuda_profile_graph_batch: int | None = None  # its traced batch; 16 when replays are armed
+    speculative_config: str | dict[str, Any] | None = None  # vLLM's JSON; None: off
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -212,6 +215,11 @@ class EngineArgs:
                        help="arm a CUDA-graph-replay profiler (not built: N > 0 is refused)")
         g.add_argument("--cuda-profile-graph-batch", type=_int_at_least(0), default=None,
                        help="its traced batch (16 when armed); at most --max-num-seqs")
+        g.add_argument("--speculative-config", default=None,
+                       help="speculative decoding, vLLM's JSON: "
+                            "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4}' or "
+                            "'{\"method\": \"draft_model\", \"model\": \"draft.gguf\", "
+                            "\"num_speculative_tokens\": 4}'")
         return parser
 
     @classmethod

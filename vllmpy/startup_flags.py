@@ -206,6 +206,10 @@ def check_startup_flags(args: EngineArgs, device: str, notify: bool = True) -> N
                               f"is not supported yet: no weight offloader is built, for any "
                               f"architecture; drop the flag or leave offloading disabled")
     _check_cuda_profiler(args, device)
+    if args.speculative_config is not None:
+        from vllmpy.spec_decode.config import SpeculativeConfig
+
+        SpeculativeConfig.from_json(args.speculative_config)
 
 
 def _check_cuda_profiler(args: EngineArgs, device: str) -> None:

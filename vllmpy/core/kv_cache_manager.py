@@ -123,23 +123,27 @@ class KVCacheManager:
     # ---- allocation -----------------------------------------------------------------
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
-                       computed_blocks: Sequence[int] = ()) -> list[int] | None:
+                       computed_blocks: Sequence[int] = (),
+                       num_lookahead_tokens: int = 0) -> list[int] | None:
         """Make room for ``request.num_computed_tokens + num_new_tokens`` tokens, counting
         ``computed_blocks`` (a prefix-cache hit from ``get_computed_blocks``, given only
-        for a request that holds no blocks yet) as the request's first tokens.
+        for a request that holds no blocks yet) as the request's first tokens, and for
+        ``num_lookahead_tokens`` past them (where a draft model writes its drafts' KV).
 
         Returns the ids of the blocks newly taken from the free queue (possibly none), or
         None, allocating nothing, if the pool does not have enough free blocks.
         """
-        if num_new_tokens < 0:
-            raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
+        if num_new_tokens < 0 or num_lookahead_tokens < 0:
+            raise ValueError(f"num_new_tokens ({num_new_tokens}) and num_lookahead_tokens "
+                             f"({num_lookahead_tokens}) must be >= 0")
         blocks = self._req_to_blocks.get(request.request_id, [])
         if computed_blocks and blocks:
             raise ValueError(f"request {request.request_id!r} already holds KV blocks; "
                              f"cached blocks are only given to a request that holds none")
         num_computed = max(request.num_computed_tokens,
                            len(computed_blocks) * self.block_size)
-        num_needed = cdiv(num_computed + num_new_tokens, self.block_size)
+        num_needed = cdiv(num_computed + num_new_tokens + num_lookahead_tokens,
+                          self.block_size)
         num_missing = num_needed - len(blocks) - len(computed_blocks)
         # Reviving a free cached block takes it out of the free queue too.
         num_revived = sum(1 for b in computed_blocks if self.block_pool.ref_count(b) == 0)

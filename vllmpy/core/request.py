@@ -74,6 +74,9 @@ class Request:
         # scheduling): their positions are computed next step from the device's copy.
         self.num_pending_outputs = 0
         self.num_preemptions = 0
+        # Speculative decoding: draft tokens proposed after its last step, verified (and
+        # computed) with its next one; never part of all_token_ids.
+        self.spec_token_ids: list[int] = []
         # The stop token id that ended the request (None for EOS, length or abort).
         self.stop_reason: int | str | None = None
         # Prefix-cache hashes of the full blocks of all_token_ids, in order; extended by

@@ -55,6 +55,9 @@ class SchedulerOutput:
     # bit j of word w allows token 32 * w + j. None when no request needs one.
     structured_output_request_ids: dict[str, int] = field(default_factory=dict)
     grammar_bitmask: np.ndarray | None = None
+    # Speculative decoding: req_id -> the draft tokens it verifies this step (they follow
+    # its known tokens and are counted in num_scheduled_tokens); only requests with drafts.
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
     # Set by Scheduler.on_launched when the engine launched this step before the previous
     # one's results were in (async scheduling): its computed tokens are counted already.
     launched_ahead: bool = False
@@ -100,6 +103,9 @@ class ModelRunnerOutput:
     # req_id -> logprobs of the prompt tokens this step's chunk scored (only requests
     # that asked for prompt_logprobs).
     prompt_logprobs: dict[str, LogprobsLists] = field(default_factory=dict)
+    # Speculative decoding: aligned with req_ids, the drafts proposed for each request's
+    # next step (empty lists for none); empty when nothing was proposed.
+    spec_token_ids: list[list[int]] = field(default_factory=list)
 
 
 @dataclass
@@ -140,6 +146,40 @@ class SchedulerStats:
     # and how many of them were served from the cache.
     prefix_cache_queries_total: int = 0
     prefix_cache_hits_total: int = 0
+    # Speculative decoding since start-up (None when it is off).
+    spec_decoding: SpecDecodingStats | None = None
+
+
+@dataclass
+class SpecDecodingStats:
+    """Speculative decoding's counters since start-up (vLLM's spec_decode metrics)."""
+
+    num_drafts: int = 0  # verify steps of a request that carried at least one draft
+    num_draft_tokens: int = 0  # drafts verified
+    num_accepted_tokens: int = 0  # drafts accepted
+    # accepted drafts by their position in the draft (index 0: the first draft token)
+    num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
+
+    def observe(self, num_draft_tokens: int, num_accepted: int) -> None:
+        """One request's verify step."""
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft_tokens
+        self.num_accepted_tokens += num_accepted
+        per_pos = self.num_accepted_tokens_per_pos
+        if len(per_pos) < num_draft_tokens:
+            per_pos.extend([0] * (num_draft_tokens - len(per_pos)))
+        for i in range(num_accepted):
+            per_pos[i] += 1
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens emitted per verify step: 1 + accepted drafts per draft (vLLM's figure)."""
+        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+
+    def copy(self) -> SpecDecodingStats:
+        return SpecDecodingStats(self.num_drafts, self.num_draft_tokens,
+                                 self.num_accepted_tokens,
+                                 list(self.num_accepted_tokens_per_pos))
 
 
 @dataclass

@@ -20,6 +20,7 @@ from vllmpy.core.sched_output import (
     ModelRunnerOutput,
     NewRequestData,
     SchedulerOutput,
+    SpecDecodingStats,
 )
 
 if TYPE_CHECKING:
@@ -45,6 +46,7 @@ class _StepPlan:
     new_reqs: list[NewRequestData] = field(default_factory=list)
     cached_reqs: CachedRequestData = field(default_factory=CachedRequestData)
     preempted: list[Request] = field(default_factory=list)
+    spec_tokens: dict[str, list[int]] = field(default_factory=dict)  # drafts verified
 
     def unschedule_running(self, req_id: str) -> None:
         """Take back a running request scheduled earlier in this step (it was preempted):
@@ -56,6 +58,7 @@ class _StepPlan:
             if index < len(column):
                 del column[index]
         self.budget += self.num_scheduled_tokens.pop(req_id)
+        self.spec_tokens.pop(req_id, None)
 
 
 class Scheduler:
@@ -65,6 +68,14 @@ class Scheduler:
     ``update_from_output()``. Requests arrive through ``add_request`` and are aborted
     through ``finish_requests``, both between steps. ``policy`` is one of
     ``SCHEDULING_POLICIES``.
+
+    Speculative decoding (``speculative``): a running request's draft tokens
+    (``Request.spec_token_ids``, set from the runner's output) are scheduled after its
+    known tokens, so its computed tokens catch up to the tokens including drafts; once
+    the step is verified, the rejected drafts are taken back off ``num_computed_tokens``
+    (their KV is rewritten by the next step, their slots stay with the request).
+    ``num_lookahead_tokens`` more slots are allocated past each step's tokens for a
+    proposer that writes KV of its own drafts there (a draft model).
     """
 
     def __init__(
@@ -75,6 +86,8 @@ class Scheduler:
         max_model_len: int,
         policy: str = "fcfs",
         structured_output_manager: StructuredOutputManager | None = None,
+        speculative: bool = False,
+        num_lookahead_tokens: int = 0,
     ) -> None:
         if policy not in SCHEDULING_POLICIES:
             raise ValueError(f"unknown scheduling policy {policy!r}; choose one of "
@@ -120,6 +133,8 @@ class Scheduler:
         self._jump_forward_pending: dict[str, list[int]] = {}
         # Requests whose grammar failed to compile: reported by the next update.
         self._grammar_failures: list[EngineCoreOutput] = []
+        self.num_lookahead_tokens = num_lookahead_tokens
+        self.spec_stats = SpecDecodingStats() if speculative else None
 
     # ---- requests in and out -------------------------------------------------------
 
@@ -213,6 +228,7 @@ class Scheduler:
             num_scheduled_tokens=plan.num_scheduled_tokens,
             total_num_scheduled_tokens=sum(plan.num_scheduled_tokens.values()),
             finished_req_ids=finished_req_ids,
+            scheduled_spec_decode_tokens=plan.spec_tokens,
             structured_output_request_ids=so_request_ids,
             grammar_bitmask=grammar_bitmask,
         )
@@ -226,12 +242,16 @@ class Scheduler:
                             or request.num_tokens + pending >= self.max_model_len):
                 i += 1  # its launched step reaches its last token: nothing more to run
                 continue
-            num_new = min(request.num_tokens + pending - request.num_computed_tokens,
-                          plan.budget)
+            owed = request.num_tokens + pending - request.num_computed_tokens
+            drafts = self._drafts_that_fit(request)
+            num_new = min(owed + len(drafts), plan.budget)
             if num_new <= 0:
                 i += 1
                 continue
-            new_block_ids = self.kv_cache_manager.allocate_slots(request, num_new)
+            drafts = drafts[:max(num_new - owed, 0)]  # the budget cuts drafts first
+            lookahead = self._lookahead(request, num_new)
+            new_block_ids = self.kv_cache_manager.allocate_slots(request, num_new,
+                                                                 num_lookahead_tokens=lookahead)
             while new_block_ids is None:
                 victim_index = self._victim_index()
                 victim = self.running.pop(victim_index)
@@ -242,7 +262,10 @@ class Scheduler:
                 plan.preempted.append(victim)
                 if victim is request:
                     return
-                new_block_ids = self.kv_cache_manager.allocate_slots(request, num_new)
+                new_block_ids = self.kv_cache_manager.allocate_slots(
+                    request, num_new, num_lookahead_tokens=lookahead)
+            if drafts:
+                plan.spec_tokens[request.request_id] = drafts
             plan.cached_reqs.req_ids.append(request.request_id)
             plan.cached_reqs.new_block_ids.append(new_block_ids)
             plan.cached_reqs.num_computed_tokens.append(request.num_computed_tokens)
@@ -251,6 +274,22 @@ class Scheduler:
             plan.num_scheduled_tokens[request.request_id] = num_new
             plan.budget -= num_new
             i += 1
+
+    def _drafts_that_fit(self, request: Request) -> list[int]:
+        """The request's drafts, cut so that the tokens the step can emit (drafts + 1)
+        stay within max_tokens and max_model_len."""
+        drafts = request.spec_token_ids
+        if not drafts or request.num_pending_outputs:
+            return []
+        room = min(request.max_tokens - request.num_output_tokens,
+                   self.max_model_len - request.num_tokens) - 1
+        return drafts[:max(room, 0)]
+
+    def _lookahead(self, request: Request, num_new: int) -> int:
+        """Slots past the step's tokens for the proposer's own drafts (within
+        max_model_len)."""
+        end = request.num_computed_tokens + num_new
+        return max(0, min(self.num_lookahead_tokens, self.max_model_len - end))
 
     def _victim_index(self) -> int:
         """Which running request to preempt when the pool is full."""
@@ -266,7 +305,8 @@ class Scheduler:
             request = self.waiting[0]
             computed_blocks, num_hit = kv.get_computed_blocks(request)
             num_new = min(request.num_tokens - num_hit, plan.budget)
-            if kv.allocate_slots(request, num_new, computed_blocks) is None:
+            if kv.allocate_slots(request, num_new, computed_blocks,
+                                 self._lookahead(request, num_hit + num_new)) is None:
                 return
             kv.record_prefix_lookup(request, num_hit)
             request.num_computed_tokens = num_hit
@@ -298,6 +338,7 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_pending_outputs = 0  # a launched step's token for it is dropped
+        request.spec_token_ids = []
         request.num_preemptions += 1
         self.num_preemptions_total += 1
         self._enqueue_waiting(request, front=True)
@@ -432,6 +473,7 @@ class Scheduler:
             zip(model_runner_output.req_ids, model_runner_output.sampled_token_ids)
         )
         logprobs_by_id = dict(zip(model_runner_output.req_ids, model_runner_output.logprobs))
+        spec_by_id = dict(zip(model_runner_output.req_ids, model_runner_output.spec_token_ids))
         prompt_logprobs_by_id = model_runner_output.prompt_logprobs
         outputs, self._grammar_failures = self._grammar_failures, []
         for req_id, num_scheduled in scheduler_output.num_scheduled_tokens.items():
@@ -445,6 +487,11 @@ class Scheduler:
             else:
                 request.num_computed_tokens += num_scheduled
                 mid_prefill = request.num_computed_tokens < request.num_tokens
+            drafts = scheduler_output.scheduled_spec_decode_tokens.get(req_id)
+            if drafts and sampled:  # the rejected drafts' KV is not the request's
+                request.num_computed_tokens -= len(drafts) + 1 - len(sampled)
+                if self.spec_stats is not None:
+                    self.spec_stats.observe(len(drafts), len(sampled) - 1)
             self.kv_cache_manager.cache_blocks(request)
             prompt_logprobs = prompt_logprobs_by_id.get(req_id)
             if mid_prefill:
@@ -457,6 +504,10 @@ class Scheduler:
             num_sampled = len(new_token_ids)
             if request.structured_output_request is not None and new_token_ids:
                 self._advance_grammar(request, new_token_ids)
+            if not request.is_finished:
+                if len(new_token_ids) > 1:  # accepted drafts may fill blocks
+                    self.kv_cache_manager.cache_blocks(request)
+                request.spec_token_ids = spec_by_id.get(req_id) or []
             new_logprobs = logprobs_by_id.get(req_id)
             if new_token_ids or request.is_finished or prompt_logprobs is not None:
                 outputs.append(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import torch
 
@@ -271,6 +272,7 @@ def build_engine_config(args: EngineArgs, source: ModelSource | None = None) -> 
         max_logprobs=args.max_logprobs,
         quantization=quant,
     )
+    speculative, async_scheduling = _speculative(args, device)
     budget = args.max_num_batched_tokens or (
         DEFAULT_MAX_NUM_BATCHED_TOKENS_CUDA if device == "cuda"
         else DEFAULT_MAX_NUM_BATCHED_TOKENS)
@@ -278,9 +280,26 @@ def build_engine_config(args: EngineArgs, source: ModelSource | None = None) -> 
                         scheduler=SchedulerConfig(args.max_num_seqs, budget,
                                                   args.scheduling_policy),
                         device=device, enforce_eager=args.enforce_eager,
-                        async_scheduling=(device == "cuda" if args.async_scheduling is None
-                                          else bool(args.async_scheduling)),
-                        enable_jump_forward=args.enable_jump_forward)
+                        async_scheduling=async_scheduling,
+                        enable_jump_forward=args.enable_jump_forward,
+                        speculative=speculative)
+
+
+def _speculative(args: EngineArgs, device: str) -> tuple[Any, bool]:
+    """The speculative config (None when off) and whether steps are scheduled ahead:
+    speculative steps never are (the drafts of step N + 1 come from step N's tokens)."""
+    async_scheduling = device == "cuda" if args.async_scheduling is None \
+        else bool(args.async_scheduling)
+    if args.speculative_config is None:
+        return None, async_scheduling
+    from vllmpy.spec_decode.config import SpeculativeConfig
+
+    spec = SpeculativeConfig.from_json(args.speculative_config)
+    log(spec.describe())
+    if async_scheduling:
+        log("speculative decoding: async scheduling is off (each step's drafts are "
+            "proposed from the tokens the previous step emitted)")
+    return spec, False
 
 
 def _quantization(args: EngineArgs, source: ModelSource, device: str, dtype: torch.dtype):

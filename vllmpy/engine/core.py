@@ -70,6 +70,9 @@ class EngineCore:
             max_model_len=config.model.max_model_len,
             policy=config.scheduler.policy,
             structured_output_manager=self.structured_output_manager,
+            speculative=config.speculative is not None,
+            num_lookahead_tokens=(0 if self.model_runner.proposer is None
+                                  else self.model_runner.proposer.num_lookahead_tokens),
         )
         self.eos_token_ids = set(config.model.eos_token_ids)
         # Requests whose first output has not been sent yet -> when they were first
@@ -182,6 +185,8 @@ class EngineCore:
             num_scheduled_tokens=num_scheduled_tokens,
             prefix_cache_queries_total=self.kv_cache_manager.prefix_cache_queries,
             prefix_cache_hits_total=self.kv_cache_manager.prefix_cache_hits,
+            spec_decoding=(None if self.scheduler.spec_stats is None
+                           else self.scheduler.spec_stats.copy()),
         )
 
     def reset_prefix_cache(self) -> bool:

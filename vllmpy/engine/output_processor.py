@@ -10,6 +10,7 @@ prefill chunk at a time, possibly before the first token; they are placed by pos
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -173,7 +174,32 @@ class OutputProcessor:
             self.child_to_parent.pop(cid, None)
 
     def _update_child(self, child: _ChildState, out: EngineCoreOutput) -> bool:
-        """Apply one delta. True when a stop string finished the child here."""
+        """Apply one delta. True when a stop string finished the child here.
+
+        A delta of several tokens (speculative decoding emits them in one step) is taken
+        a token at a time under stop strings, so a stop string ends the output at the
+        token that completes it, as it would one token per step."""
+        n = len(out.new_token_ids)
+        if n <= 1 or not child.params.stop_strings or child.detokenizer is None:
+            return self._update_child_delta(child, out)
+        for i in range(n):
+            last = i == n - 1
+            lists = out.new_logprobs
+            one = dataclasses.replace(
+                out, new_token_ids=out.new_token_ids[i:i + 1],
+                finish_reason=out.finish_reason if last else None,
+                stop_reason=out.stop_reason if last else None,
+                error=out.error if last else None,
+                new_logprobs=None if lists is None or len(lists) <= i else LogprobsLists(
+                    lists.token_ids[i:i + 1], lists.logprobs[i:i + 1], lists.ranks[i:i + 1]),
+                new_prompt_logprobs=out.new_prompt_logprobs if i == 0 else None)
+            if self._update_child_delta(child, one):
+                return True
+            if child.finish_reason is not None:
+                return False
+        return False
+
+    def _update_child_delta(self, child: _ChildState, out: EngineCoreOutput) -> bool:
         params = child.params
         new_ids = out.new_token_ids
         child.token_ids.extend(new_ids)

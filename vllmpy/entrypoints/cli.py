@@ -27,8 +27,6 @@ def make_parser() -> OneLineArgumentParser:
     p.add_argument("--top-k", type=int, default=0, help="0 means all tokens")
     p.add_argument("--seed", type=int, default=None, help="RNG seed for sampling")
     p.add_argument("--stream", action="store_true", help="stream token deltas to stdout")
-    p.add_argument("--speculative-config", default=None,
-                   help="speculative decoding (vLLM's JSON); not supported yet")
     p.add_argument("--repeat", type=int, default=None,
                    help="load once, run N completions (streamed with --stream), report "
                         "each run on stderr")
@@ -39,8 +37,6 @@ def make_parser() -> OneLineArgumentParser:
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser = make_parser()
     args = parser.parse_strict(argv)
-    if args.speculative_config is not None:
-        parser.error("--speculative-config: speculative decoding is not supported yet")
     if args.repeat is not None and args.repeat < 1:
         parser.error(f"--repeat must be >= 1, got {args.repeat}")
     return args

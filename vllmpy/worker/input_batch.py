@@ -31,6 +31,11 @@ class StepInputs:
     # input_ids and the index of their request in the step.
     unknown_rows: list[int] = field(default_factory=list)
     unknown_reqs: list[int] = field(default_factory=list)
+    # Speculative decoding: per sampling request (aligned with sample_rows) the drafts it
+    # verifies, and the rows of the hidden states scored for it: its last drafts + 1
+    # tokens, requests in order. None in a step without drafts.
+    num_drafts: list[int] | None = None
+    spec_logits_indices: np.ndarray | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -104,6 +109,15 @@ class InputBatch:
         self.block_table[row, start:end] = block_ids
         self.num_blocks[row] = end
 
+    def set_drafts(self, row: int, token_ids: list[int]) -> None:
+        """Write a request's draft tokens after its known ones (they stay unknown:
+        ``num_tokens`` does not count them); a step's ``prepare`` reads them back."""
+        n = int(self.num_tokens[row])
+        if n + len(token_ids) > self.max_model_len:
+            raise ValueError(f"request {self.req_ids[row]!r}: {len(token_ids)} drafts after "
+                             f"{n} tokens exceed max_model_len={self.max_model_len}")
+        self.token_ids[row, n:n + len(token_ids)] = token_ids
+
     def append_tokens(self, row: int, token_ids: list[int]) -> None:
         n = int(self.num_tokens[row])
         if n + len(token_ids) > self.max_model_len:
@@ -114,17 +128,24 @@ class InputBatch:
 
     # ---- one step ---------------------------------------------------------------------
 
-    def prepare(self, req_ids: list[str], num_scheduled: list[int]) -> StepInputs:
+    def prepare(self, req_ids: list[str], num_scheduled: list[int],
+                num_drafts: list[int] | None = None,
+                starts: np.ndarray | None = None) -> StepInputs:
         """Gather the step's inputs: request ``req_ids[i]`` computes ``num_scheduled[i]``
-        tokens starting at its number of computed tokens."""
+        tokens starting at its number of computed tokens (or at ``starts[i]``), the last
+        ``num_drafts[i]`` of them its drafts (written by ``set_drafts``)."""
         rows = np.fromiter((self.index[r] for r in req_ids), dtype=np.int64,
                            count=len(req_ids))
         counts = np.asarray(num_scheduled, dtype=np.int64)
-        starts = self.num_computed[rows].astype(np.int64)
+        if starts is None:
+            starts = self.num_computed[rows].astype(np.int64)
         ends = starts + counts
+        drafts = (None if num_drafts is None or not any(num_drafts)
+                  else np.asarray(num_drafts, dtype=np.int64))
         bs = self.block_size
         if int(counts.max()) == 1 and int(counts.min()) == 1:  # a pure decode step
             tok_rows, positions = rows, starts
+            tok_req = np.arange(len(rows))
             query_start = np.arange(len(rows) + 1, dtype=np.int32)
         else:
             total = int(counts.sum())
@@ -136,16 +157,23 @@ class InputBatch:
             query_start = np.zeros(len(rows) + 1, dtype=np.int32)
             query_start[1:] = cu
         known = self.num_tokens[tok_rows]
+        if drafts is not None:
+            known = known + drafts[tok_req]
         input_ids = self.token_ids[tok_rows, np.minimum(positions, known - 1)].astype(np.int64)
         unknown = np.nonzero(positions >= known)[0]
         unknown_reqs = (unknown if len(rows) == len(positions)  # decode: token i is request i
                         else np.searchsorted(query_start[1:], unknown, side="right"))
         slots = (self.block_table[tok_rows, positions // bs].astype(np.int64) * bs
                  + positions % bs)
-        # A request samples when this chunk reaches its last known token.
-        samples = ends >= self.num_tokens[rows]
+        # A request samples when this chunk reaches its last known token (or draft).
+        samples = ends >= self.num_tokens[rows] + (0 if drafts is None else drafts)
         sample_rows = np.nonzero(samples)[0]
         logits_indices = query_start[1:][sample_rows].astype(np.int64) - 1
+        spec_indices = None
+        if drafts is not None:
+            per = drafts[sample_rows] + 1
+            spec_indices = (np.repeat(logits_indices - per + 1, per)
+                            + np.arange(int(per.sum())) - np.repeat(np.cumsum(per) - per, per))
         seq_lens = ends.astype(np.int32)
         width = int(self.num_blocks[rows].max())
         return StepInputs(
@@ -161,4 +189,6 @@ class InputBatch:
             max_seq_len=int(ends.max()),
             unknown_rows=unknown.tolist(),
             unknown_reqs=np.asarray(unknown_reqs).tolist(),
+            num_drafts=None if drafts is None else drafts[sample_rows].tolist(),
+            spec_logits_indices=spec_indices,
         )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -36,6 +37,8 @@ from vllmpy.sample.logprobs import (
 from vllmpy.sample.metadata import SamplingMetadata
 from vllmpy.sample.sampler import Sampler, plain_argmax
 from vllmpy.sampling_params import SamplingParams
+from vllmpy.spec_decode import Proposer, make_proposer
+from vllmpy.spec_decode.rejection_sampler import rejection_sample
 from vllmpy.structured_output.bitmask import apply_step_grammar_bitmask
 from vllmpy.worker.cuda_graphs import StepGraphs
 from vllmpy.worker.input_batch import InputBatch, StepInputs
@@ -100,6 +103,9 @@ class ModelRunner(StartupMixin):
         self._host_flip = 0
         # (sampled request ids, metadata) of the last step, while reusable
         self._md_cache: tuple[tuple[str, ...], SamplingMetadata] | None = None
+        # Speculative decoding: the proposer of each step's drafts (set by load_model)
+        self.proposer: Proposer | None = None
+        self._told_no_drafts = False
 
     # ---- start-up -------------------------------------------------------------------
 
@@ -108,24 +114,33 @@ class ModelRunner(StartupMixin):
             self._start_kernel_compiler()
         stats = LoadStats()
         mc = self.config.model
+        self.model = self.build_model(source, mc.text_config, mc.quantization, stats)
+        self._load_stats = stats
+        if self.config.speculative is not None:
+            self.proposer = make_proposer(self.config.speculative, self)
+        if self._compiler is not None:
+            self.compile_kernels()
+
+    def build_model(self, source: ModelSource, text_config: Any, quantization: Any,
+                    stats: LoadStats) -> CausalLM:
+        """Build ``text_config``'s architecture on the runner's device and load its weights
+        from ``source`` (random ones for a dummy source)."""
+        dtype = self.config.model.dtype
         with stats.phase("build"):
-            model_cls = resolve_model_class(mc.text_config.architectures)
+            model_cls = resolve_model_class(text_config.architectures)
             with torch.device("meta"):
-                model = model_cls(mc.text_config)
-                quantize_model(model, mc.quantization)  # each linear layer's method
-            materialize(model, self.device, mc.dtype)
+                model = model_cls(text_config)
+                quantize_model(model, quantization)  # each linear layer's method
+            materialize(model, self.device, dtype)
             bind_ops(model, self.device)  # native or device kernels, chosen once
         with stats.phase("weights"):
             if source.kind == "dummy":
                 self._load_dummy(model)
             else:
                 model.load_weights(  # type: ignore[operator]
-                    iter_checkpoint_weights(source, mc.dtype))
+                    iter_checkpoint_weights(source, dtype))
         model.eval()
-        self.model = model  # type: ignore[assignment]
-        self._load_stats = stats
-        if self._compiler is not None:
-            self.compile_kernels()
+        return model  # type: ignore[return-value]
 
     def _load_dummy(self, model: nn.Module) -> None:
         """Random weights: a linear layer's come dense and its quantization method
@@ -175,6 +190,8 @@ class ModelRunner(StartupMixin):
         self._load_stats.report()
         for layer, kv in zip(layers, self.kv_caches):
             layer.bind(kv)
+        if self.proposer is not None:
+            self.proposer.initialize_kv_cache()
         from vllmpy.layers.attention import report_kv_scales
 
         report_kv_scales(layers, cache.kv_cache_dtype)  # fp8 without checkpoint scales
@@ -217,7 +234,11 @@ class ModelRunner(StartupMixin):
         for req_id in out.finished_req_ids:
             self.requests.pop(req_id, None)
             batch.remove(req_id)
+            if self.proposer is not None:
+                self.proposer.forget(req_id)
         for new in out.scheduled_new_reqs:
+            if self.proposer is not None:  # a preempted request starts over
+                self.proposer.forget(new.req_id)
             state = self._new_state(new)
             self.requests[new.req_id] = state
             batch.remove(new.req_id)  # a preempted request may come back before it left
@@ -237,6 +258,8 @@ class ModelRunner(StartupMixin):
                 batch.append_tokens(row, tokens)
             state.num_computed_tokens = computed
             batch.num_computed[row] = computed
+        for req_id, drafts in out.scheduled_spec_decode_tokens.items():
+            batch.set_drafts(batch.index[req_id], drafts)
 
     def _new_state(self, new: NewRequestData) -> CachedRequestState:
         return CachedRequestState(
@@ -249,14 +272,15 @@ class ModelRunner(StartupMixin):
             eos_token_ids=self.eos_token_ids,
         )
 
-    def _generator(self, state: CachedRequestState) -> torch.Generator | None:
+    def _generator(self, state: CachedRequestState, ahead: int = 0) -> torch.Generator | None:
         """A seeded request draws from a generator keyed on (seed, output position), so its
-        tokens depend on neither the batch it shares nor a preemption in between."""
+        tokens depend on neither the batch it shares nor a preemption in between.
+        ``ahead``: the position that many tokens past its outputs (a verified draft's)."""
         seed = state.sampling_params.seed
         if seed is None:
             return None
         gen = torch.Generator(device=self.device)
-        gen.manual_seed((seed * 1_000_003 + len(state.output_token_ids)) % (2**63))
+        gen.manual_seed((seed * 1_000_003 + len(state.output_token_ids) + ahead) % (2**63))
         return gen
 
     def _sampling_metadata(self, sampled_ids: tuple[str, ...],
@@ -314,8 +338,10 @@ class ModelRunner(StartupMixin):
         req_ids = list(out.num_scheduled_tokens)
         if not req_ids:
             return StepHandle(self, [], [], [], None, None, {}, None)
-        step = self.input_batch.prepare(req_ids,
-                                        [out.num_scheduled_tokens[r] for r in req_ids])
+        spec = out.scheduled_spec_decode_tokens
+        step = self.input_batch.prepare(
+            req_ids, [out.num_scheduled_tokens[r] for r in req_ids],
+            [len(spec.get(r, ())) for r in req_ids] if spec else None)
         if self._staged is not None:
             # The pinned buffers are about to be rewritten: the previous step's copies
             # out of them must have run.
@@ -358,6 +384,8 @@ class ModelRunner(StartupMixin):
                       if graph_logits is None and sampled_rows < num_tokens else None)
         self._staged = copied
         prompt_logprobs = self._prompt_logprobs(req_ids, out, step, hidden)
+        if step.spec_logits_indices is not None:
+            return self._verify(out, req_ids, step, hidden, prompt_logprobs)
         if not step.sample_rows:
             self._last_sampled = None
             return StepHandle(self, req_ids, [], [], None, None, prompt_logprobs, None)
@@ -391,6 +419,78 @@ class ModelRunner(StartupMixin):
         host_ids, ready = self._copy_to_host(sampled_t)
         return StepHandle(self, req_ids, step.sample_rows, states, host_ids, lp,
                           prompt_logprobs, ready)
+
+    def _verify(self, out: SchedulerOutput, req_ids: list[str], step: StepInputs,
+                hidden: torch.Tensor, prompt_logprobs: dict[str, LogprobsLists]
+                ) -> StepHandle:
+        """A step with drafts: score each sampling request's last drafts + 1 positions and
+        let the rejection sampler choose its tokens (1 to drafts + 1 of them)."""
+        assert self.model is not None and step.num_drafts is not None
+        index = torch.as_tensor(step.spec_logits_indices, device=self.device)
+        logits = self.model.compute_logits(hidden[index])  # [sum(drafts + 1), vocab]
+        states = [self.requests[req_ids[i]] for i in step.sample_rows]
+        drafts = [out.scheduled_spec_decode_tokens.get(s.req_id, []) for s in states]
+        row_states = [s for s, d in zip(states, drafts) for _ in range(len(d) + 1)]
+        if out.grammar_bitmask is not None:  # (a grammar request carries no drafts)
+            apply_step_grammar_bitmask(logits, out.grammar_bitmask,
+                                       out.structured_output_request_ids,
+                                       [s.req_id for s in row_states])
+        # Row j of a request scores the position after its outputs and its first j drafts:
+        # its metadata sees those drafts as outputs (penalties, min_tokens, the seed).
+        outputs = [s.output_token_ids + d[:j] for s, d in zip(states, drafts)
+                   for j in range(len(d) + 1)]
+        generators = [self._generator(s, j) for s, d in zip(states, drafts)
+                      for j in range(len(d) + 1)]
+        params = [s.sampling_params for s in row_states]
+        metadata = SamplingMetadata.build(
+            params=params, prompt_token_ids=[s.prompt_token_ids for s in row_states],
+            output_token_ids=outputs, generators=generators,
+            eos_token_ids=[s.eos_token_ids for s in row_states],
+            vocab_size=self.vocab_size, device=self.device)
+        flat = torch.tensor([t for d in drafts for t in d], dtype=torch.int64,
+                            device=self.device)
+        result = rejection_sample(logits, metadata, [len(d) for d in drafts], flat)
+        lp = sampled_logprobs(params, logits, result.processed_logits, result.row_tokens)
+        self._last_sampled = None  # (speculative steps are never launched ahead)
+        self._overlap_safe = False
+        self._md_cache = None
+        packed = torch.cat([result.num_emitted.unsqueeze(1), result.token_ids], dim=1)
+        host_ids, ready = self._copy_to_host(packed.flatten())
+        return StepHandle(self, req_ids, step.sample_rows, states, host_ids, lp,
+                          prompt_logprobs, ready, spec_width=packed.shape[1],
+                          num_drafts=step.num_drafts)
+
+    def _propose(self, handle: StepHandle) -> list[list[int]]:
+        """Drafts for the next step of each request that sampled in ``handle``'s step (an
+        empty list per request where there are none)."""
+        proposals: list[list[int]] = [[] for _ in handle.req_ids]
+        proposer, spec = self.proposer, self.config.speculative
+        assert proposer is not None and spec is not None
+        if spec.disable_by_batch_size is not None and len(self.requests) >= \
+                spec.disable_by_batch_size:
+            return proposals
+        batch, limit = self.input_batch, self.config.model.max_model_len
+        at, rows, room = [], [], []
+        for i, state in zip(handle.sample_rows, handle.states):
+            if self.requests.get(state.req_id) is not state:
+                continue
+            if state.sampling_params.structured_outputs is not None:
+                if not self._told_no_drafts:
+                    log("speculative decoding: requests with structured output are decoded "
+                        "without drafts")
+                    self._told_no_drafts = True
+                continue
+            row = batch.index[state.req_id]
+            fit = min(spec.num_speculative_tokens, limit - int(batch.num_tokens[row]) - 1)
+            if fit > 0:
+                at.append(i)
+                rows.append(row)
+                room.append(fit)
+        if rows:
+            for i, drafts in zip(at, proposer.propose(batch.token_ids, batch.num_tokens,
+                                                      rows, room)):
+                proposals[i] = drafts
+        return proposals
 
     @property
     def overlap_safe(self) -> bool:
@@ -444,20 +544,32 @@ class ModelRunner(StartupMixin):
         if handle.host_ids is not None:
             if handle.ready is not None:
                 handle.ready.synchronize()  # the step's one wait
-            token_ids = handle.host_ids.tolist()
+            flat = handle.host_ids.tolist()
+            if handle.spec_width:  # per request: the count, then the tokens
+                w = handle.spec_width
+                tokens = [flat[k * w + 1:k * w + 1 + flat[k * w]]
+                          for k in range(len(handle.states))]
+            else:
+                tokens = [[tok] for tok in flat]
             if handle.logprobs is not None:  # copied once the sampled ids are
                 logprobs = [None] * len(req_ids)
-                for row, lists in zip(handle.sample_rows, handle.logprobs.to_lists()):
-                    logprobs[row] = lists
+                entries = handle.logprobs.to_lists()  # one per logits row
+                drafts = handle.num_drafts or [0] * len(tokens)
+                starts = np.cumsum([0] + [k + 1 for k in drafts]).tolist()
+                for row, toks, start in zip(handle.sample_rows, tokens, starts):
+                    logprobs[row] = _concat_rows(entries[start:start + len(toks)])
             batch = self.input_batch
-            for row, state, tok in zip(handle.sample_rows, handle.states, token_ids):
-                sampled[row] = [tok]
+            for row, state, toks in zip(handle.sample_rows, handle.states, tokens):
+                sampled[row] = toks
                 if self.requests.get(state.req_id) is not state:
                     continue  # left the batch since (finished or preempted)
-                state.output_token_ids.append(tok)
-                batch.append_tokens(batch.index[state.req_id], [tok])
+                state.output_token_ids.extend(toks)
+                batch.append_tokens(batch.index[state.req_id], toks)
+        spec_token_ids = (self._propose(handle) if self.proposer is not None and
+                          handle.host_ids is not None else [])
         return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled,
-                                 logprobs=logprobs, prompt_logprobs=handle.prompt_logprobs)
+                                 logprobs=logprobs, prompt_logprobs=handle.prompt_logprobs,
+                                 spec_token_ids=spec_token_ids)
 
 
 @dataclass
@@ -472,12 +584,26 @@ class StepHandle:
     logprobs: SampledLogprobs | None  # the step's logprobs on the device, if asked for
     prompt_logprobs: dict[str, LogprobsLists]
     ready: torch.cuda.Event | None  # recorded after the copy to the host
+    # A step with drafts: host_ids holds, per sampling request, its number of tokens and
+    # then its tokens padded to this width - 1; 0 for a step of one token each.
+    spec_width: int = 0
+    num_drafts: list[int] | None = None  # per sampling request, in a step with drafts
     _output: ModelRunnerOutput | None = None
 
     def result(self) -> ModelRunnerOutput:
         if self._output is None:
             self._output = self.runner._finish_step(self)
         return self._output
+
+
+def _concat_rows(rows: list[LogprobsLists | None]) -> LogprobsLists | None:
+    """One request's consecutive one-position logprobs as one list (None if it asked for
+    none)."""
+    if not rows or rows[0] is None:
+        return None
+    return LogprobsLists([r.token_ids[0] for r in rows if r is not None],
+                         [r.logprobs[0] for r in rows if r is not None],
+                         [r.ranks[0] for r in rows if r is not None])
 
 
 _TORCH_DTYPES = {np.int64: torch.int64, np.int32: torch.int32}

@@ -1,0 +1,56 @@
+"""--speculative-config: vLLM's JSON parsed, defaulted and refused by name."""
+
+from __future__ import annotations
+
+import pytest
+
+from vllmpy.config import ConfigError
+from vllmpy.spec_decode.config import SpeculativeConfig
+
+
+def test_ngram_defaults_follow_vllm():
+    c = SpeculativeConfig.from_json('{"method": "ngram", "num_speculative_tokens": 3}')
+    assert (c.method, c.num_speculative_tokens, c.prompt_lookup_min,
+            c.prompt_lookup_max) == ("ngram", 3, 5, 5)
+    c = SpeculativeConfig.from_json({"method": "ngram", "num_speculative_tokens": 2,
+                                     "prompt_lookup_max": 4})
+    assert (c.prompt_lookup_min, c.prompt_lookup_max) == (4, 4)
+    c = SpeculativeConfig.from_json({"method": "ngram", "num_speculative_tokens": 2,
+                                     "prompt_lookup_min": 2})
+    assert (c.prompt_lookup_min, c.prompt_lookup_max) == (2, 2)
+
+
+def test_method_is_inferred_from_the_model():
+    c = SpeculativeConfig.from_json({"model": "draft.gguf", "num_speculative_tokens": 4})
+    assert c.method == "draft_model" and c.model == "draft.gguf" and c.uses_draft_model
+    with pytest.raises(ConfigError, match="'eagle3' is not supported yet"):
+        SpeculativeConfig.from_json({"model": "yuhuili/EAGLE3-LLaMA3.1-Instruct-8B",
+                                     "num_speculative_tokens": 4})
+
+
+@pytest.mark.parametrize("value, needle", [
+    ("{not json", "malformed JSON"),
+    ("[1]", "must be a JSON object"),
+    ({"method": "ngram"}, "num_speculative_tokens is required"),
+    ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens must be >= 1"),
+    ({"method": "ngram", "num_speculative_tokens": "4"}, "must be an integer"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "bogus": 1}, "unknown field 'bogus'"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 5,
+      "prompt_lookup_max": 3}, "prompt_lookup_min=5 must be <= prompt_lookup_max=3"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "model": "m"}, "takes no model"),
+    ({"method": "draft_model", "num_speculative_tokens": 2}, "needs a model"),
+    ({"method": "draft_model", "model": "m", "num_speculative_tokens": 2,
+      "prompt_lookup_max": 3}, "applies to method 'ngram' only"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "draft_sample_method": "random"},
+     "only 'greedy' is accepted"),
+    ({"method": "draft_model", "model": "m", "num_speculative_tokens": 2,
+      "draft_tensor_parallel_size": 2}, "draft_tensor_parallel_size 2"),
+    ({"method": "medusa", "num_speculative_tokens": 2}, "'medusa' is not supported yet"),
+    ({"method": "mtp", "num_speculative_tokens": 1}, "'mtp' is not supported yet"),
+    ({"method": "magic", "num_speculative_tokens": 2}, "unknown method 'magic'"),
+    ({"num_speculative_tokens": 2}, "name a method"),
+])
+def test_refusals_name_what_is_wrong(value, needle):
+    with pytest.raises(ConfigError, match="--speculative-config") as e:
+        SpeculativeConfig.from_json(value)
+    assert needle in str(e.value)

@@ -1,0 +1,50 @@
+"""Speculative decoding: proposers of draft tokens behind one interface, and the rejection
+sampler that verifies them against the target model (``rejection_sampler``).
+
+A proposer is asked, after a step, for the drafts each request should verify with its
+next one. Each method is one module here with one line in ``config.METHODS``; its module
+defines ``make(config, runner) -> Proposer``.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from vllmpy.spec_decode.config import SpeculativeConfig
+
+
+class Proposer:
+    """Proposes up to ``num_speculative_tokens`` drafts per request.
+
+    ``propose`` sees the runner's persistent token table: row ``r`` of ``token_ids``
+    holds the ``num_tokens[r]`` known tokens of the request in that row (prompt and
+    output; no drafts). It returns one list per entry of ``rows``, at most
+    ``max_drafts[i]`` long.
+    """
+
+    # KV slots the scheduler allocates past each step's tokens for this proposer's own
+    # drafts (a draft model writes their KV there while it proposes).
+    num_lookahead_tokens = 0
+
+    def propose(self, token_ids: np.ndarray, num_tokens: np.ndarray, rows: Sequence[int],
+                max_drafts: Sequence[int]) -> list[list[int]]:
+        raise NotImplementedError
+
+    def forget(self, req_id: str) -> None:
+        """The request left the runner's batch (finished, aborted or preempted)."""
+
+    def initialize_kv_cache(self) -> None:
+        """Allocate what the proposer keeps per token, once the target's pool is sized."""
+
+
+def make_proposer(config: SpeculativeConfig, runner: Any) -> Proposer:
+    """The proposer of ``config.method`` for the model runner ``runner``."""
+    from vllmpy.spec_decode.config import METHODS
+
+    module = importlib.import_module(f"vllmpy.spec_decode.{METHODS[config.method]}")
+    return module.make(config, runner)
