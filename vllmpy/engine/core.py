@@ -8,7 +8,7 @@ import time
 from dataclasses import asdict, dataclass
 
 from vllmpy import envs
-from vllmpy.config import EngineConfig
+from vllmpy.config import EngineConfig, log
 from vllmpy.core.kv_cache_manager import KVCacheManager
 from vllmpy.core.request import Request, RequestStatus
 from vllmpy.core.sched_output import (
@@ -16,12 +16,17 @@ from vllmpy.core.sched_output import (
     EngineCoreOutputs,
     SchedulerOutput,
     SchedulerStats,
+    SpecDecodingStats,
 )
 from vllmpy.core.scheduler import Scheduler
 from vllmpy.loader.source import ModelSource, load_tokenizer
 from vllmpy.sampling_params import SamplingParams
 from vllmpy.structured_output.manager import StructuredOutputManager
 from vllmpy.worker.model_runner import ModelRunner, StepHandle
+
+
+# How often a serving engine logs its speculative-decoding line (vLLM's stats interval).
+SPEC_LOG_INTERVAL_S = 10.0
 
 
 @dataclass
@@ -80,6 +85,8 @@ class EngineCore:
         self._first_scheduled: dict[str, float | None] = {}
         # Async scheduling: the launched step whose results are not read yet.
         self._inflight: tuple[SchedulerOutput, StepHandle] | None = None
+        # Speculative decoding's periodic line: the totals and time it last reported.
+        self._spec_logged = (SpecDecodingStats(), time.monotonic())
         # Everything built so far lives as long as the engine: keep it out of the
         # collector's generations so a collection never walks it mid-step.
         gc.collect()
@@ -204,6 +211,32 @@ class EngineCore:
                              f"{', '.join(sorted(self.UTILITY_METHODS))}")
         result = getattr(self, method)(*args)
         return asdict(result) if isinstance(result, SchedulerStats) else result
+
+    def log_spec_decoding(self, interval_s: float = SPEC_LOG_INTERVAL_S) -> str | None:
+        """At most once per ``interval_s``, with speculative decoding on and drafts
+        verified since the last one: log (and return) vLLM's SpecDecoding metrics line
+        over the interval."""
+        stats = self.scheduler.spec_stats
+        last, since = self._spec_logged
+        now = time.monotonic()
+        if stats is None or now - since < interval_s or stats.num_drafts <= last.num_drafts:
+            return None
+        self._spec_logged = (stats.copy(), now)
+        drafts = stats.num_drafts - last.num_drafts
+        drafted = stats.num_draft_tokens - last.num_draft_tokens
+        accepted = stats.num_accepted_tokens - last.num_accepted_tokens
+        old = last.num_accepted_tokens_per_pos
+        per_pos = [(n - (old[i] if i < len(old) else 0)) / drafts
+                   for i, n in enumerate(stats.num_accepted_tokens_per_pos)]
+        elapsed = now - since
+        line = (f"SpecDecoding metrics: Mean acceptance length: {1 + accepted / drafts:.2f}, "
+                f"Accepted throughput: {accepted / elapsed:.2f} tokens/s, "
+                f"Drafted throughput: {drafted / elapsed:.2f} tokens/s, "
+                f"Accepted: {accepted} tokens, Drafted: {drafted} tokens, "
+                f"Per-position acceptance rate: {', '.join(f'{r:.3f}' for r in per_pos)}, "
+                f"Avg Draft acceptance rate: {100 * accepted / max(drafted, 1):.1f}%")
+        log(line)
+        return line
 
     # ---- helpers ------------------------------------------------------------------------
 

@@ -181,6 +181,7 @@ class EngineCoreProc:
                 raise
             return self.engine_core.fail_running_requests(describe(e))
         self._consecutive_failures = 0
+        self.engine_core.log_spec_decoding()
         return outputs
 
     def _send_outputs(self, outputs: EngineCoreOutputs) -> None:

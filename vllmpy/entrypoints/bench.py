@@ -294,12 +294,60 @@ def run_offline(args: argparse.Namespace) -> tuple[dict[str, Any], list[RequestR
                      use_tqdm=False)
     print(f"{PROG}: running {len(requests)} requests "
           f"(concurrency {args.concurrency or 'all'})", file=sys.stderr)
+    before = llm.engine.engine_core.get_stats().spec_decoding
     start = time.perf_counter()
     if args.concurrency is None or args.concurrency >= len(requests):
         results = _offline_all_at_once(llm, requests, params)
     else:
         results = _offline_bounded(llm, requests, params, args.concurrency)
-    return header, results, time.perf_counter() - start
+    duration = time.perf_counter() - start
+    after = llm.engine.engine_core.get_stats().spec_decoding
+    if after is not None:
+        assert before is not None
+        header["spec_decode"] = spec_decode_summary(
+            {"drafts": before.num_drafts, "draft_tokens": before.num_draft_tokens,
+             "accepted": before.num_accepted_tokens},
+            {"drafts": after.num_drafts, "draft_tokens": after.num_draft_tokens,
+             "accepted": after.num_accepted_tokens})
+    return header, results, duration
+
+
+SPEC_COUNTERS = {"vllm:spec_decode_num_drafts_total": "drafts",
+                 "vllm:spec_decode_num_draft_tokens_total": "draft_tokens",
+                 "vllm:spec_decode_num_accepted_tokens_total": "accepted"}
+
+
+def spec_decode_summary(before: dict[str, float], after: dict[str, float]
+                        ) -> dict[str, Any] | None:
+    """Speculative decoding over the timed run, from the engine's totals before and after
+    it: drafts, draft tokens, accepted tokens, the mean acceptance length (1 + accepted
+    per draft, vLLM's figure) and the draft acceptance rate; None when nothing drafted."""
+    delta = {k: after[k] - before.get(k, 0) for k in after}
+    if delta.get("drafts", 0) <= 0:
+        return None
+    return {"num_drafts": int(delta["drafts"]), "num_draft_tokens": int(delta["draft_tokens"]),
+            "num_accepted_tokens": int(delta["accepted"]),
+            "mean_acceptance_length": 1 + delta["accepted"] / delta["drafts"],
+            "draft_acceptance_rate": delta["accepted"] / max(delta["draft_tokens"], 1)}
+
+
+def scrape_spec_counters(base: str) -> dict[str, float] | None:
+    """The server's speculative-decoding totals from ``GET /metrics``; None when it
+    exports none (speculation off) or the page cannot be read."""
+    import httpx
+
+    try:
+        reply = httpx.get(f"{base}/metrics", timeout=30)
+        reply.raise_for_status()
+    except httpx.HTTPError:
+        return None
+    totals: dict[str, float] = {}
+    for line in reply.text.splitlines():
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in SPEC_COUNTERS:
+            totals[SPEC_COUNTERS[name]] = totals.get(SPEC_COUNTERS[name], 0.0) + float(
+                line.rsplit(" ", 1)[1])
+    return totals if len(totals) == len(SPEC_COUNTERS) else None
 
 
 def _sampling_params(output_len: int, ignore_eos: bool) -> Any:
@@ -385,7 +433,9 @@ def run_serving(args: argparse.Namespace) -> tuple[dict[str, Any], list[RequestR
     requests = build_requests(args, *vocab, tokenizer=None, as_text=True)
     warm = warmup_requests(args, requests, *vocab, tokenizer=None, as_text=True)
     header = serving_header(config)
-    return header, *asyncio.run(_serve_all(args, base, config, requests, warm))
+    results, duration, spec = asyncio.run(_serve_all(args, base, config, requests, warm))
+    header["spec_decode"] = spec
+    return header, results, duration
 
 
 def _serving_vocab(args: argparse.Namespace, config: dict[str, Any]) -> tuple[int, set[int]]:
@@ -422,7 +472,7 @@ def serving_header(config: dict[str, Any]) -> dict[str, Any]:
 
 async def _serve_all(args: argparse.Namespace, base: str, config: dict[str, Any],
                      requests: list[BenchRequest], warm: list[BenchRequest]
-                     ) -> tuple[list[RequestResult], float]:
+                     ) -> tuple[list[RequestResult], float, dict[str, Any] | None]:
     import asyncio
 
     url = f"{base}{args.endpoint}"
@@ -438,6 +488,7 @@ async def _serve_all(args: argparse.Namespace, base: str, config: dict[str, Any]
     await asyncio.gather(*(one(req) for req in warm))
     print(f"{PROG}: sending {len(requests)} requests (concurrency "
           f"{args.concurrency or 'all'}, rate {args.request_rate}/s)", file=sys.stderr)
+    before = scrape_spec_counters(base)
     start = time.perf_counter()
     tasks = []
     for req in requests:
@@ -445,7 +496,10 @@ async def _serve_all(args: argparse.Namespace, base: str, config: dict[str, Any]
         if args.request_rate != math.inf:
             await asyncio.sleep(rng.exponential(1.0 / args.request_rate))
     results = await asyncio.gather(*tasks)
-    return list(results), time.perf_counter() - start
+    duration = time.perf_counter() - start
+    after = scrape_spec_counters(base) if before is not None else None
+    spec = None if after is None or before is None else spec_decode_summary(before, after)
+    return list(results), duration, spec
 
 
 async def stream_completion(url: str, model: str, req: BenchRequest,
@@ -557,6 +611,14 @@ def format_report(header: dict[str, Any], summary: dict[str, Any]) -> str:
         for stat, name in (("mean", "Mean"), ("median", "Median"), ("p90", "P90"),
                            ("p99", "P99")):
             lines.append(_line(f"{name} {short} (ms):", summary[f"{stat}_{key}_ms"]))
+    spec = header.get("spec_decode")
+    if spec is not None:
+        lines += [f"{'Speculative Decoding':-^50}",
+                  _line("Mean acceptance length:", spec["mean_acceptance_length"]),
+                  _line("Draft acceptance rate (%):", 100 * spec["draft_acceptance_rate"]),
+                  _line("Drafts:", spec["num_drafts"]),
+                  _line("Draft tokens:", spec["num_draft_tokens"]),
+                  _line("Accepted tokens:", spec["num_accepted_tokens"])]
     lines.append("=" * 50)
     return "\n".join(lines)
 

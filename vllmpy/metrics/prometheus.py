@@ -31,7 +31,7 @@ from prometheus_client import (
 )
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 
-from vllmpy.core.sched_output import SchedulerStats
+from vllmpy.core.sched_output import SchedulerStats, SpecDecodingStats
 from vllmpy.outputs import FinishedRequestStats, IterationStats
 
 # vLLM turns off the ``*_created`` series of counters and histograms; match its exposition.
@@ -89,6 +89,8 @@ class PrometheusStatLogger:
         self._lock = threading.Lock()
         self._last_preemptions_total = 0
         self._last_prefix_cache_totals = (0, 0)  # (queries, hits) the engine last reported
+        self._last_spec: SpecDecodingStats | None = None  # the totals the engine last reported
+        self._spec_declared = False
         self._declare_scheduler_metrics()
         self._declare_token_metrics()
         self._declare_request_metrics(max_model_len)
@@ -212,6 +214,8 @@ class PrometheusStatLogger:
                 self.histogram_iteration_tokens.observe(stats.num_scheduled_tokens)
             self._record_prefix_cache_totals(stats.prefix_cache_queries_total,
                                              stats.prefix_cache_hits_total)
+            if stats.spec_decoding is not None:
+                self._record_spec_totals(stats.spec_decoding)
 
     def record_iteration(self, iteration: IterationStats) -> None:
         """Count one batch's tokens and latencies, and the requests that ended in it."""
@@ -251,6 +255,47 @@ class PrometheusStatLogger:
             self.counter_prefix_cache_queries.inc(queries - last_queries)
         if hits > last_hits:
             self.counter_prefix_cache_hits.inc(hits - last_hits)
+
+    def _declare_spec_metrics(self) -> None:
+        """vLLM's spec_decode counters, exported once an engine reports speculative
+        decoding (an engine without it has none)."""
+        labels = self.labels
+        self.counter_spec_drafts = self._counter(
+            "vllm:spec_decode_num_drafts",
+            "Number of spec decoding drafts.").labels(*labels)
+        self.counter_spec_draft_tokens = self._counter(
+            "vllm:spec_decode_num_draft_tokens",
+            "Number of draft tokens.").labels(*labels)
+        self.counter_spec_accepted_tokens = self._counter(
+            "vllm:spec_decode_num_accepted_tokens",
+            "Number of accepted tokens.").labels(*labels)
+        self._spec_per_pos_family = self._counter(
+            "vllm:spec_decode_num_accepted_tokens_per_pos",
+            "Accepted tokens per draft position.", ("position",))
+
+    def _record_spec_totals(self, spec: SpecDecodingStats) -> None:
+        """Count the speculative-decoding totals' growth since the last report (all of
+        them after a restart, when they go down)."""
+        if self._last_spec is None and not self._spec_declared:
+            self._declare_spec_metrics()
+            self._spec_declared = True
+        last = self._last_spec
+        if last is None or spec.num_drafts < last.num_drafts:
+            last = SpecDecodingStats()
+        self._last_spec = spec
+        for counter, now, before in (
+                (self.counter_spec_drafts, spec.num_drafts, last.num_drafts),
+                (self.counter_spec_draft_tokens, spec.num_draft_tokens, last.num_draft_tokens),
+                (self.counter_spec_accepted_tokens, spec.num_accepted_tokens,
+                 last.num_accepted_tokens)):
+            if now > before:
+                counter.inc(now - before)
+        old = last.num_accepted_tokens_per_pos
+        for pos, count in enumerate(spec.num_accepted_tokens_per_pos):
+            grown = count - (old[pos] if pos < len(old) else 0)
+            child = self._spec_per_pos_family.labels(*self.labels, str(pos))
+            if grown > 0:
+                child.inc(grown)
 
     def _record_finished(self, ended: FinishedRequestStats) -> None:
         counter = self.counter_request_success.get(ended.finish_reason)
