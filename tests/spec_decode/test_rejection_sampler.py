@@ -119,3 +119,18 @@ def test_seeded_rows_repeat_exactly():
 
     assert run(7) == run(7)
     assert any(run(7) != run(s) for s in range(8, 16))
+
+
+def test_a_row_without_drafts_draws_what_the_plain_sampler_draws():
+    # A seeded request's token must not depend on whether its step verified drafts.
+    from vllmpy.sample.sampler import Sampler
+
+    logits = torch.randn(1, VOCAB)
+    params = [SamplingParams(temperature=0.7, top_p=0.9, seed=5)]
+    for seed in range(20):
+        gens = [torch.Generator().manual_seed(seed)]
+        plain = Sampler()(logits, metadata(params, gens))
+        gens = [torch.Generator().manual_seed(seed)]
+        spec = rejection_sample(logits, metadata(params, gens), [0],
+                                torch.zeros(0, dtype=torch.int64))
+        assert spec.token_ids.tolist() == [[int(plain[0])]]

@@ -139,11 +139,14 @@ def rejection_sample(logits: torch.Tensor, metadata: SamplingMetadata,
 def _draws(probs: torch.Tensor, generators: dict[int, torch.Generator]
            ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per row, a uniform in [0, 1) and vocab-wide Exponential(1) noise (clamped away from
-    0); seeded rows from their own generator, the uniform first."""
+    0); seeded rows from their own generator, the noise first: a row without a draft then
+    draws exactly what the non-speculative sampler draws at its position, so a seeded
+    request's tokens do not depend on whether a step verified drafts (which depends on
+    the batch)."""
     rows, vocab = probs.shape
-    uniform = torch.rand(rows, device=probs.device)
     noise = torch.empty_like(probs).exponential_()
+    uniform = torch.rand(rows, device=probs.device)
     for row, generator in generators.items():
-        uniform[row] = torch.rand(1, device=probs.device, generator=generator)[0]
         noise[row].exponential_(generator=generator)
+        uniform[row] = torch.rand(1, device=probs.device, generator=generator)[0]
     return uniform, noise.clamp_(min=_TINY)
