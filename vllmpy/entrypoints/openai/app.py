@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import hmac
 import platform
 import sys
@@ -303,6 +304,8 @@ def _server_info(engine: AsyncLLM, args: argparse.Namespace, name: str) -> dict[
             "enable_prefix_caching": cfg.cache.enable_prefix_caching,
             "scheduling_policy": cfg.scheduler.policy,
             "device": cfg.device,
+            "speculative_config": (None if cfg.speculative is None
+                                   else dataclasses.asdict(cfg.speculative)),
         },
         "vllm_env": {"version": vllmpy.__version__},
         "system_env": {"python": platform.python_version(), "platform": platform.platform()},
