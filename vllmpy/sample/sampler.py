@@ -62,12 +62,7 @@ class Sampler(torch.nn.Module):
         if md.all_greedy:
             assert greedy is not None
             return greedy, logits
-        assert md.temperature is not None
-        logits = logits / md.temperature.unsqueeze(1)
-        if md.min_p is not None:
-            logits = apply_min_p(logits, md.min_p)
-        if md.top_k is not None or md.top_p is not None:
-            logits = apply_top_k_top_p(logits, md.top_k, md.max_top_k, md.top_p)
+        logits = apply_sampling_filters(logits, md)
         sampled = random_sample(logits.softmax(dim=-1), md.generators)
         if greedy is None:
             return sampled, logits
@@ -92,6 +87,18 @@ def greedy_ids(scores: torch.Tensor, out: torch.Tensor | None = None) -> torch.T
     if out is not None:
         return torch.argmax(scores, dim=-1, out=out)
     return scores.argmax(dim=-1)
+
+
+def apply_sampling_filters(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    """Temperature, then min-p, then top-k and top-p: the logits of the distribution a
+    random row draws from. [num_reqs, vocab] fp32, out of place."""
+    assert md.temperature is not None
+    logits = logits / md.temperature.unsqueeze(1)
+    if md.min_p is not None:
+        logits = apply_min_p(logits, md.min_p)
+    if md.top_k is not None or md.top_p is not None:
+        logits = apply_top_k_top_p(logits, md.top_k, md.max_top_k, md.top_p)
+    return logits
 
 
 def apply_logits_processors(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:

@@ -31,8 +31,7 @@ from vllmpy.sample.metadata import SamplingMetadata
 from vllmpy.sample.sampler import (
     _TINY,
     apply_logits_processors,
-    apply_min_p,
-    apply_top_k_top_p,
+    apply_sampling_filters,
     greedy_ids,
 )
 
@@ -90,12 +89,7 @@ def rejection_sample(logits: torch.Tensor, metadata: SamplingMetadata,
         accepted = is_draft & (row_draft == greedy)
         fallback = greedy
     else:
-        assert md.temperature is not None
-        processed = processed / md.temperature.unsqueeze(1)
-        if md.min_p is not None:
-            processed = apply_min_p(processed, md.min_p)
-        if md.top_k is not None or md.top_p is not None:
-            processed = apply_top_k_top_p(processed, md.top_k, md.max_top_k, md.top_p)
+        processed = apply_sampling_filters(processed, md)
         probs = processed.softmax(dim=-1)
         uniform, noise = _draws(probs, md.generators)
         p_draft = probs.gather(1, row_draft.unsqueeze(1)).squeeze(1)
