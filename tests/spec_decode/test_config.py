@@ -54,3 +54,33 @@ def test_refusals_name_what_is_wrong(value, needle):
     with pytest.raises(ConfigError, match="--speculative-config") as e:
         SpeculativeConfig.from_json(value)
     assert needle in str(e.value)
+
+
+def _model_dir(path, **overrides):
+    import json
+
+    from server_utils import TINY_LLAMA
+
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps(dict(TINY_LLAMA, **overrides)))
+    return str(path)
+
+
+def test_the_pool_counts_the_draft_models_layers_and_its_vocabulary_is_checked(tmp_path):
+    from vllmpy.config import EngineArgs
+    from vllmpy.engine.configure import build_engine_config
+
+    target = _model_dir(tmp_path / "target")
+    draft = _model_dir(tmp_path / "draft", num_hidden_layers=1)
+    common = dict(model=target, load_format="dummy", device="cpu", dtype="float32",
+                  num_blocks=64)
+    plain = build_engine_config(EngineArgs(**common))
+    spec = build_engine_config(EngineArgs(**common, speculative_config={
+        "model": draft, "num_speculative_tokens": 2}))
+    # TINY_LLAMA: 2 layers; the draft 1 of the same KV geometry.
+    assert spec.cache.bytes_per_block == plain.cache.bytes_per_block * 3 // 2
+    assert spec.speculative.method == "draft_model" and not spec.async_scheduling
+    other = _model_dir(tmp_path / "other", vocab_size=1000)
+    with pytest.raises(ConfigError, match="vocabulary of 1000 tokens, the target 49152"):
+        build_engine_config(EngineArgs(**common, speculative_config={
+            "model": other, "num_speculative_tokens": 2}))

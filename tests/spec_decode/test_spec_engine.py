@@ -42,7 +42,7 @@ def spec_config(method: str, draft: str) -> dict:
     return {"method": "draft_model", "model": draft, "num_speculative_tokens": 3}
 
 
-GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
 
 
 def target(method: str, models) -> tuple[str, dict]:
@@ -96,7 +96,7 @@ def test_batch_of_1_equals_the_plain_engine(spec_llm, baseline):
 
 
 def test_n_greater_than_1(spec_llm, baseline):
-    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, n=2)
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, n=2)
     outs = spec_llm.generate(PROMPTS[:3], params)
     for out, expected in zip(outs, baseline[1]):
         assert [c.token_ids for c in out.outputs] == [expected, expected]

@@ -237,7 +237,14 @@ def build_engine_config(args: EngineArgs, source: ModelSource | None = None) -> 
     quant = _quantization(args, source, device, dtype)
     kv_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, dtype, source)
     _check_kv_dtype_on_device(kv_dtype, device)
+    speculative, async_scheduling = _speculative(args, device)
     per_block = _bytes_per_block(text, args.block_size, kv_dtype)
+    if speculative is not None and speculative.uses_draft_model:
+        # the draft model's pool shares the target's blocks: a block holds both
+        from vllmpy.spec_decode.draft_model import draft_source, draft_text_config
+
+        draft = draft_text_config(draft_source(speculative, source.kind), text.vocab_size)
+        per_block += _bytes_per_block(draft, args.block_size, kv_dtype)
     cache = CacheConfig(
         block_size=args.block_size,
         num_blocks=_resolve_num_blocks(args, per_block, device),
@@ -272,7 +279,6 @@ def build_engine_config(args: EngineArgs, source: ModelSource | None = None) -> 
         max_logprobs=args.max_logprobs,
         quantization=quant,
     )
-    speculative, async_scheduling = _speculative(args, device)
     budget = args.max_num_batched_tokens or (
         DEFAULT_MAX_NUM_BATCHED_TOKENS_CUDA if device == "cuda"
         else DEFAULT_MAX_NUM_BATCHED_TOKENS)
