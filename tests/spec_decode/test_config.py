@@ -22,10 +22,11 @@ def test_ngram_defaults_follow_vllm():
 
 def test_method_is_inferred_from_the_model():
     c = SpeculativeConfig.from_json({"model": "draft.gguf", "num_speculative_tokens": 4})
-    assert c.method == "draft_model" and c.model == "draft.gguf" and c.uses_draft_model
-    with pytest.raises(ConfigError, match="'eagle3' is not supported yet"):
-        SpeculativeConfig.from_json({"model": "yuhuili/EAGLE3-LLaMA3.1-Instruct-8B",
-                                     "num_speculative_tokens": 4})
+    assert c.method == "draft_model" and c.model == "draft.gguf"
+    for name, method in (("yuhuili/EAGLE3-LLaMA3.1-Instruct-8B", "eagle3"),
+                         ("yuhuili/EAGLE-LLaMA3-Instruct-8B", "eagle")):
+        c = SpeculativeConfig.from_json({"model": name, "num_speculative_tokens": 4})
+        assert c.method == method
 
 
 @pytest.mark.parametrize("value, needle", [

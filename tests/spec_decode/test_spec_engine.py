@@ -3,7 +3,8 @@ the non-speculative engine's, whatever the batch, the prefix cache, preemption o
 rules, penalties, min_tokens and logprobs see the same tokens; no KV block outlives its
 request. draft_model runs on a tiny random target with a draft that agrees with it part
 of the time; ngram on the embedded SmolLM2 checkpoint, whose greedy text repeats the
-prompt's patterns (a random model's never does, so no draft would be accepted)."""
+prompt's patterns (a random model's never does, so no draft would be accepted); eagle and
+eagle3 on the random target their heads were made for (conftest)."""
 
 from __future__ import annotations
 
@@ -24,22 +25,24 @@ PROMPTS = [f"{'one two three four ' * (i % 3 + 1)}item {i}: def f{i}(x): return 
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory):
+def models(tmp_path_factory, eagle_target, eagle_heads):
     """The target, and a draft that agrees with it part of the time: the target's first
-    layer alone (random weights are drawn by name, so they match the target's)."""
+    layer alone (random weights are drawn by name, so they match the target's); the EAGLE
+    heads' target and heads (conftest)."""
     target = write_tiny_chat_model(tmp_path_factory.mktemp("target"))
     draft = tmp_path_factory.mktemp("draft")
     (draft / "config.json").write_text(json.dumps(dict(TINY_LLAMA, num_hidden_layers=1)))
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(f"{target}/{name}", draft)
-    return target, str(draft)
+    return {"target": target, "draft_model": str(draft), "eagle_target": eagle_target,
+            **eagle_heads}
 
 
-def spec_config(method: str, draft: str) -> dict:
+def spec_config(method: str, models: dict) -> dict:
     if method == "ngram":
         return {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
                 "prompt_lookup_max": 3}
-    return {"method": "draft_model", "model": draft, "num_speculative_tokens": 3}
+    return {"method": method, "model": models[method], "num_speculative_tokens": 3}
 
 
 GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
@@ -49,10 +52,12 @@ def target(method: str, models) -> tuple[str, dict]:
     """The target of a method's tests and its engine arguments."""
     if method == "ngram":
         return str(fetch("smollm2", quiet=True)), ENGINE
-    return models[0], dict(ENGINE, load_format="dummy")
+    if method in ("eagle", "eagle3"):  # random weights the heads were made for
+        return models["eagle_target"], ENGINE
+    return models["target"], dict(ENGINE, load_format="dummy")
 
 
-@pytest.fixture(scope="module", params=["ngram", "draft_model"])
+@pytest.fixture(scope="module", params=["ngram", "draft_model", "eagle", "eagle3"])
 def method(request):
     return request.param
 
@@ -67,7 +72,7 @@ def baseline(method, models):
 @pytest.fixture(scope="module")
 def spec_llm(method, models):
     path, kw = target(method, models)
-    return LLM(path, num_blocks=128, speculative_config=spec_config(method, models[1]), **kw)
+    return LLM(path, num_blocks=128, speculative_config=spec_config(method, models), **kw)
 
 
 def stats(llm: LLM):
@@ -105,7 +110,7 @@ def test_n_greater_than_1(spec_llm, baseline):
 def test_preemption_forced(models, baseline, method):
     # 16 blocks of 32 tokens cannot hold 16 requests of ~60 tokens at once.
     path, kw = target(method, models)
-    llm = LLM(path, num_blocks=16, speculative_config=spec_config(method, models[1]), **kw)
+    llm = LLM(path, num_blocks=16, speculative_config=spec_config(method, models), **kw)
     out = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
     assert stats(llm).num_preemptions_total > 0
     assert out == baseline[1]

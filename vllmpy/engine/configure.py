@@ -239,12 +239,13 @@ def build_engine_config(args: EngineArgs, source: ModelSource | None = None) -> 
     _check_kv_dtype_on_device(kv_dtype, device)
     speculative, async_scheduling = _speculative(args, device)
     per_block = _bytes_per_block(text, args.block_size, kv_dtype)
-    if speculative is not None and speculative.uses_draft_model:
-        # the draft model's pool shares the target's blocks: a block holds both
-        from vllmpy.spec_decode.draft_model import draft_source, draft_text_config
+    if speculative is not None:
+        # a draft model's (or head's) pool shares the target's blocks: a block holds both
+        from vllmpy.spec_decode import draft_kv_config
 
-        draft = draft_text_config(draft_source(speculative, source.kind), text.vocab_size)
-        per_block += _bytes_per_block(draft, args.block_size, kv_dtype)
+        draft = draft_kv_config(speculative, source.kind, text)
+        if draft is not None:
+            per_block += _bytes_per_block(draft, args.block_size, kv_dtype)
     cache = CacheConfig(
         block_size=args.block_size,
         num_blocks=_resolve_num_blocks(args, per_block, device),

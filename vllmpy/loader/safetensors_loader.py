@@ -23,8 +23,8 @@ INDEX_FILE = "model.safetensors.index.json"
 
 # safetensors header dtype codes this loader accepts, with the torch dtype they hold. The
 # floating ones are cast to the model's dtype; the others (fp8 weights, packed int4 words,
-# shapes) belong to a quantized checkpoint and come as stored: a layer that is not
-# quantized refuses them (``layers.quantization.base.copy_checked``).
+# shapes of a quantized checkpoint; an EAGLE-3 head's token maps) come as stored: a layer
+# that is not quantized refuses them (``layers.quantization.base.copy_checked``).
 FLOAT_DTYPES: dict[str, torch.dtype] = {
     "F32": torch.float32,
     "F16": torch.float16,
@@ -36,6 +36,7 @@ QUANTIZED_DTYPES: dict[str, torch.dtype] = {
     "I64": torch.int64,
     "I8": torch.int8,
     "U8": torch.uint8,
+    "BOOL": torch.bool,
 }
 SUPPORTED_DTYPES = {**FLOAT_DTYPES, **QUANTIZED_DTYPES}
 

@@ -21,11 +21,11 @@ EXAMPLE = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max":
 METHODS: dict[str, str] = {
     "ngram": "ngram",
     "draft_model": "draft_model",
+    "eagle": "eagle",
+    "eagle3": "eagle",
 }
 # Methods vLLM knows that this engine does not run yet, with what is missing.
 NOT_BUILT: dict[str, str] = {
-    "eagle": "no EAGLE head loader is built",
-    "eagle3": "no EAGLE-3 head loader is built",
     "mtp": "no multi-token-prediction layers are wired",
     "deepseek_mtp": "no multi-token-prediction layers are wired",
     "medusa": "no Medusa heads are built",
@@ -53,7 +53,8 @@ class SpeculativeConfig:
 
     method: str  # one of METHODS
     num_speculative_tokens: int  # k: drafts proposed (and verified) per request and step
-    model: str | None = None  # draft_model: the draft checkpoint (directory, .gguf, repo id)
+    # draft_model: the draft checkpoint (directory, .gguf, repo id); eagle/eagle3: the head
+    model: str | None = None
     prompt_lookup_min: int | None = None  # ngram: shortest suffix matched
     prompt_lookup_max: int | None = None  # ngram: longest suffix matched
     # No drafts while this many requests or more run (None: always draft)
@@ -61,14 +62,13 @@ class SpeculativeConfig:
     quantization: str | None = None  # draft_model: the draft's --quantization
     revision: str | None = None  # draft_model: hub revision of the draft
 
-    @property
-    def uses_draft_model(self) -> bool:
-        return self.method == "draft_model"
-
     def describe(self) -> str:
         """The start-up line's words for it."""
-        what = (f"ngram (prompt lookup {self.prompt_lookup_min}..{self.prompt_lookup_max})"
-                if self.method == "ngram" else f"draft model {self.model}")
+        what = {"ngram": f"ngram (prompt lookup {self.prompt_lookup_min}.."
+                         f"{self.prompt_lookup_max})",
+                "draft_model": f"draft model {self.model}",
+                "eagle": f"EAGLE head {self.model}",
+                "eagle3": f"EAGLE-3 head {self.model}"}[self.method]
         return f"speculative decoding: {what}, {self.num_speculative_tokens} tokens per step"
 
     @classmethod
@@ -115,7 +115,8 @@ class SpeculativeConfig:
                     raise ConfigError(f"{FLAG}: {key} applies to method 'ngram' only, "
                                       f"not {method!r}")
             if data["model"] is None:
-                raise ConfigError(f"{FLAG}: method {method!r} needs a model: the draft "
+                what = "draft" if method == "draft_model" else "EAGLE head"
+                raise ConfigError(f"{FLAG}: method {method!r} needs a model: the {what} "
                                   f"checkpoint (a directory, a .gguf file or a repo id)")
         return cls(method=method, num_speculative_tokens=k, model=data["model"],
                    prompt_lookup_min=lookup_min, prompt_lookup_max=lookup_max,

@@ -54,6 +54,10 @@ def draft_text_config(source: ModelSource, target_vocab_size: int) -> Any:
     return text
 
 
+def kv_config(config: SpeculativeConfig, target_source_kind: str, target_text: Any) -> Any:
+    return draft_text_config(draft_source(config, target_source_kind), target_text.vocab_size)
+
+
 class DraftModelProposer(Proposer):
     def __init__(self, config: SpeculativeConfig, runner: Any) -> None:
         from vllmpy.layers.quantization import QuantizationError, quantization_config

@@ -122,12 +122,13 @@ class ModelRunner(StartupMixin):
             self.compile_kernels()
 
     def build_model(self, source: ModelSource, text_config: Any, quantization: Any,
-                    stats: LoadStats) -> CausalLM:
-        """Build ``text_config``'s architecture on the runner's device and load its weights
-        from ``source`` (random ones for a dummy source)."""
+                    stats: LoadStats, model_cls: type[nn.Module] | None = None) -> CausalLM:
+        """Build ``text_config``'s architecture (or ``model_cls``) on the runner's device
+        and load its weights from ``source`` (random ones for a dummy source)."""
         dtype = self.config.model.dtype
         with stats.phase("build"):
-            model_cls = resolve_model_class(text_config.architectures)
+            if model_cls is None:
+                model_cls = resolve_model_class(text_config.architectures)
             with torch.device("meta"):
                 model = model_cls(text_config)
                 quantize_model(model, quantization)  # each linear layer's method
@@ -383,6 +384,8 @@ class ModelRunner(StartupMixin):
         logits_idx = (bufs.tensors.logits_indices[:sampled_rows]
                       if graph_logits is None and sampled_rows < num_tokens else None)
         self._staged = copied
+        if self.proposer is not None:
+            self.proposer.observe(req_ids, step, hidden)
         prompt_logprobs = self._prompt_logprobs(req_ids, out, step, hidden)
         if step.spec_logits_indices is not None:
             return self._verify(out, req_ids, step, hidden, prompt_logprobs)
@@ -466,12 +469,15 @@ class ModelRunner(StartupMixin):
         proposals: list[list[int]] = [[] for _ in handle.req_ids]
         proposer, spec = self.proposer, self.config.speculative
         assert proposer is not None and spec is not None
-        if spec.disable_by_batch_size is not None and len(self.requests) >= \
-                spec.disable_by_batch_size:
+        off = (spec.disable_by_batch_size is not None
+               and len(self.requests) >= spec.disable_by_batch_size)
+        if off and not proposer.every_step:
             return proposals
         batch, limit = self.input_batch, self.config.model.max_model_len
         at, rows, room = [], [], []
         for i, state in zip(handle.sample_rows, handle.states):
+            if off:
+                break
             if self.requests.get(state.req_id) is not state:
                 continue
             if state.sampling_params.structured_outputs is not None:
@@ -486,7 +492,7 @@ class ModelRunner(StartupMixin):
                 at.append(i)
                 rows.append(row)
                 room.append(fit)
-        if rows:
+        if rows or proposer.every_step:
             for i, drafts in zip(at, proposer.propose(batch.token_ids, batch.num_tokens,
                                                       rows, room)):
                 proposals[i] = drafts
@@ -565,8 +571,8 @@ class ModelRunner(StartupMixin):
                     continue  # left the batch since (finished or preempted)
                 state.output_token_ids.extend(toks)
                 batch.append_tokens(batch.index[state.req_id], toks)
-        spec_token_ids = (self._propose(handle) if self.proposer is not None and
-                          handle.host_ids is not None else [])
+        spec_token_ids = (self._propose(handle) if self.proposer is not None and (
+            handle.host_ids is not None or self.proposer.every_step) else [])
         return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled,
                                  logprobs=logprobs, prompt_logprobs=handle.prompt_logprobs,
                                  spec_token_ids=spec_token_ids)
