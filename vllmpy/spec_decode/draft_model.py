@@ -58,29 +58,29 @@ def kv_config(config: SpeculativeConfig, target_source_kind: str, target_text: A
     return draft_text_config(draft_source(config, target_source_kind), target_text.vocab_size)
 
 
-class DraftModelProposer(Proposer):
-    def __init__(self, config: SpeculativeConfig, runner: Any) -> None:
+class ModelProposer(Proposer):
+    """A proposer that runs a model of its own (a draft model, an EAGLE head) with paged
+    KV on the target's block table, through step buffers of its own."""
+
+    def _load(self, config: SpeculativeConfig, runner: Any, source: ModelSource, text: Any,
+              what: str, model_cls: Any = None) -> float:
+        """Build and load the proposer's model; returns the seconds it took."""
         from vllmpy.layers.quantization import QuantizationError, quantization_config
 
         self.k = config.num_speculative_tokens
         self.num_lookahead_tokens = self.k
         self.runner = runner
-        mc = runner.config.model
-        source = draft_source(config, mc.source_kind)
-        self.text = draft_text_config(source, runner.vocab_size)
+        self.text = text
         model_dir = source.path if source.kind in ("hf_dir", "dummy") else None
         try:
             quant = quantization_config(source.kind, source.hf_config, model_dir,
                                         config.quantization)
             if quant is not None:
-                quant.bind_target(runner.device, mc.dtype)
+                quant.bind_target(runner.device, runner.config.model.dtype)
         except QuantizationError as e:
-            raise ConfigError(f"{FLAG}: draft model: {e}") from None
+            raise ConfigError(f"{FLAG}: {what}: {e}") from None
         stats = LoadStats()
-        self.model = runner.build_model(source, self.text, quant, stats)
-        log(f"speculative decoding: draft model {source.model} loaded "
-            f"({self.text.architectures[0]}, {self.text.num_hidden_layers} layers) in "
-            f"{sum(stats.seconds.values()):.2f} s")
+        self.model = runner.build_model(source, text, quant, stats, model_cls=model_cls)
         sched = runner.config.scheduler
         self.budget = sched.max_num_batched_tokens
         self.buffers = StepBuffers(runner.device,
@@ -88,8 +88,18 @@ class DraftModelProposer(Proposer):
                                    sched.max_num_seqs, runner.input_batch.max_blocks,
                                    runner.block_size)
         self.kv_caches: list[torch.Tensor] = []
-        # req_id -> how many of its first tokens the draft's KV holds
-        self.computed: dict[str, int] = {}
+        return sum(stats.seconds.values())
+
+    def _inputs(self, step: StepInputs) -> tuple[torch.Tensor, torch.Tensor, Any]:
+        """``step`` staged in the proposer's buffers: (ids, positions, attention
+        metadata) for one eager forward."""
+        bufs = self.buffers
+        n, r = step.num_tokens, len(step.seq_lens)
+        bufs.stage(step, n, r)
+        bufs.unpack(n, r)
+        meta = bufs.metadata(n, r, step.query_start_loc.tolist(), step.seq_lens.tolist(),
+                             step.max_query_len, step.max_seq_len)
+        return bufs.tensors.input_ids[:n], bufs.tensors.positions[:n], meta
 
     def initialize_kv_cache(self) -> None:
         cache = self.runner.config.cache
@@ -100,6 +110,18 @@ class DraftModelProposer(Proposer):
                                       device=self.runner.device) for _ in layers]
         for layer, kv in zip(layers, self.kv_caches):
             layer.bind(kv)
+
+
+class DraftModelProposer(ModelProposer):
+    def __init__(self, config: SpeculativeConfig, runner: Any) -> None:
+        source = draft_source(config, runner.config.model.source_kind)
+        seconds = self._load(config, runner, source,
+                             draft_text_config(source, runner.vocab_size), "draft model")
+        log(f"speculative decoding: draft model {source.model} loaded "
+            f"({self.text.architectures[0]}, {self.text.num_hidden_layers} layers) in "
+            f"{seconds:.2f} s")
+        # req_id -> how many of its first tokens the draft's KV holds
+        self.computed: dict[str, int] = {}
 
     def forget(self, req_id: str) -> None:
         self.computed.pop(req_id, None)
@@ -145,14 +167,7 @@ class DraftModelProposer(Proposer):
     def _forward(self, step: StepInputs) -> list[int]:
         """One eager forward of the draft; the argmax at each sampling request's last
         token."""
-        bufs = self.buffers
-        n, r = step.num_tokens, len(step.seq_lens)
-        bufs.stage(step, n, r)
-        bufs.unpack(n, r)
-        meta = bufs.metadata(n, r, step.query_start_loc.tolist(), step.seq_lens.tolist(),
-                             step.max_query_len, step.max_seq_len)
-        t = bufs.tensors
-        hidden = self.model(t.input_ids[:n], t.positions[:n], meta)
+        hidden = self.model(*self._inputs(step))
         if not step.sample_rows:
             return []
         index = torch.as_tensor(step.logits_indices, device=hidden.device)

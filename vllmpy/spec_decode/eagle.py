@@ -29,15 +29,11 @@ import torch
 from torch import nn
 
 from vllmpy.config import ConfigError, log
-from vllmpy.layers.attention import Attention
-from vllmpy.loader.load_stats import LoadStats
 from vllmpy.loader.source import ModelSource
 from vllmpy.models.llama_eagle import HEAD_ARCHITECTURES, EagleConfig, EagleHead
-from vllmpy.spec_decode import Proposer
 from vllmpy.spec_decode.config import FLAG, SpeculativeConfig
-from vllmpy.spec_decode.draft_model import draft_source
+from vllmpy.spec_decode.draft_model import ModelProposer, draft_source
 from vllmpy.worker.input_batch import StepInputs
-from vllmpy.worker.step_buffers import StepBuffers
 
 
 def default_aux_layers(num_layers: int) -> tuple[int, int, int]:
@@ -147,46 +143,26 @@ def _layer_output(output: Any) -> torch.Tensor:
     return output
 
 
-class EagleProposer(Proposer):
+class EagleProposer(ModelProposer):
     every_step = True
 
     def __init__(self, config: SpeculativeConfig, runner: Any) -> None:
-        from vllmpy.layers.quantization import QuantizationError, quantization_config
-
-        self.k = config.num_speculative_tokens
-        self.num_lookahead_tokens = self.k
-        self.runner = runner
         mc = runner.config.model
         source = draft_source(config, mc.source_kind)
-        self.text = head_config(config, source, mc.text_config)
-        model_dir = source.path if source.kind in ("hf_dir", "dummy") else None
-        try:
-            quant = quantization_config(source.kind, source.hf_config, model_dir,
-                                        config.quantization)
-            if quant is not None:
-                quant.bind_target(runner.device, mc.dtype)
-        except QuantizationError as e:
-            raise ConfigError(f"{FLAG}: EAGLE head: {e}") from None
-        stats = LoadStats()
-        head = runner.build_model(source, self.text, quant, stats, model_cls=EagleHead)
+        text = head_config(config, source, mc.text_config)
+        seconds = self._load(config, runner, source, text, "EAGLE head", EagleHead)
+        head = self.model
         assert isinstance(head, EagleHead)
         if source.kind == "dummy":
             head.d2t.zero_()  # random heads draft in the target's ids
         head.share(runner.model)
-        self.model = head
-        log(f"speculative decoding: {'EAGLE-3' if self.text.eagle3 else 'EAGLE'} head "
+        log(f"speculative decoding: {'EAGLE-3' if text.eagle3 else 'EAGLE'} head "
             f"{os.path.basename(source.model.rstrip('/')) or source.model} loaded "
-            f"({self.text.num_hidden_layers} layer(s)) in {sum(stats.seconds.values()):.2f} s")
-        sched = runner.config.scheduler
-        self.buffers = StepBuffers(runner.device,
-                                   max(sched.max_num_batched_tokens, sched.max_num_seqs),
-                                   sched.max_num_seqs, runner.input_batch.max_blocks,
-                                   runner.block_size)
-        self.kv_caches: list[torch.Tensor] = []
+            f"({text.num_hidden_layers} layer(s)) in {seconds:.2f} s")
         # the last target step: (its request ids, its inputs, the hidden states read)
         self._observed: tuple[Sequence[str], StepInputs, torch.Tensor] | None = None
         self._aux: torch.Tensor | None = None
-        if self.text.eagle3 and self.text.use_aux_hidden_state:
+        if text.eagle3 and text.use_aux_hidden_state:
             self._hook_target(mc.text_config)
 
     def _hook_target(self, target_text: Any) -> None:
@@ -208,16 +184,6 @@ class EagleProposer(Proposer):
 
         for j, i in enumerate(ids):  # the state entering layer i leaves layer i - 1
             layers[i - 1].register_forward_hook(hook(j))
-
-    def initialize_kv_cache(self) -> None:
-        cache = self.runner.config.cache
-        shape = (2, cache.num_blocks, cache.block_size, self.text.num_key_value_heads,
-                 self.text.head_dim)
-        layers = [m for m in self.model.modules() if isinstance(m, Attention)]
-        self.kv_caches = [torch.zeros(shape, dtype=cache.kv_cache_dtype,
-                                      device=self.runner.device) for _ in layers]
-        for layer, kv in zip(layers, self.kv_caches):
-            layer.bind(kv)
 
     def observe(self, req_ids: Sequence[str], step: StepInputs,
                 hidden_states: torch.Tensor) -> None:
@@ -290,14 +256,8 @@ class EagleProposer(Proposer):
                  ) -> tuple[torch.Tensor, torch.Tensor]:
         """One eager forward of the head over ``step``'s tokens with ``states`` [tokens,
         hidden] -> (the states its LM head reads, the states the next draft reads)."""
-        bufs = self.buffers
-        n, r = step.num_tokens, len(step.seq_lens)
-        bufs.stage(step, n, r)
-        bufs.unpack(n, r)
-        meta = bufs.metadata(n, r, step.query_start_loc.tolist(), step.seq_lens.tolist(),
-                             step.max_query_len, step.max_seq_len)
-        t = bufs.tensors
-        return self.model(t.input_ids[:n], t.positions[:n], states, meta)
+        ids, positions, meta = self._inputs(step)
+        return self.model(ids, positions, states, meta)
 
 
 def make(config: SpeculativeConfig, runner: Any) -> EagleProposer:
