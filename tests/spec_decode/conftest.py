@@ -1,8 +1,8 @@
 """A tiny target with real (random) safetensors weights, and EAGLE / EAGLE-3 heads for it
 in the layouts their trainers write, built so that they agree with the target part of the
-time: the target's layers are weak next to its tied embeddings (its greedy text often
-repeats a token), and each head passes the embedding of the token it reads (EAGLE) or the
-target's hidden state (EAGLE-3) through to the LM head almost unchanged."""
+time: the target ties its embeddings (at transformers' initialisation its greedy text
+often repeats a token), and each head passes the embedding of the token it reads (EAGLE)
+or the target's hidden state (EAGLE-3) through to the LM head almost unchanged."""
 
 from __future__ import annotations
 
@@ -20,7 +20,6 @@ HEAD = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1,
         "hidden_act": "silu", "model_type": "llama", "torch_dtype": "float32"}
 DRAFT_VOCAB = 8192
 AUX_LAYERS = [1, 2, 3]
-LAYER_SCALE = 1.0
 
 
 @pytest.fixture(scope="session")
@@ -31,10 +30,6 @@ def eagle_target(tmp_path_factory) -> str:
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(**{k: v for k, v in TARGET.items()
                                             if k != "architectures"}))
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if ".layers." in name and name.endswith("proj.weight"):
-                p.mul_(LAYER_SCALE)  # weak layers: the embedding dominates the residual stream
     model.save_pretrained(path, safe_serialization=True)
     return path
 

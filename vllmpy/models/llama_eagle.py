@@ -43,7 +43,6 @@ from vllmpy.models.weights import PACKED_QKV_GATE_UP, load_packed_weights
 # checkpoints' own; EAGLE-1 checkpoints call themselves LlamaForCausalLM)
 HEAD_ARCHITECTURES = {
     "EagleLlamaForCausalLM": False,
-    "EAGLEModel": False,
     "Eagle3LlamaForCausalLM": True,
     "LlamaForCausalLMEagle3": True,
 }

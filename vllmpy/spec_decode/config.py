@@ -115,9 +115,10 @@ class SpeculativeConfig:
                     raise ConfigError(f"{FLAG}: {key} applies to method 'ngram' only, "
                                       f"not {method!r}")
             if data["model"] is None:
-                what = "draft" if method == "draft_model" else "EAGLE head"
-                raise ConfigError(f"{FLAG}: method {method!r} needs a model: the {what} "
-                                  f"checkpoint (a directory, a .gguf file or a repo id)")
+                what = ("draft checkpoint (a directory, a .gguf file or a repo id)"
+                        if method == "draft_model"
+                        else "EAGLE head (a directory or a repo id)")
+                raise ConfigError(f"{FLAG}: method {method!r} needs a model: the {what}")
         return cls(method=method, num_speculative_tokens=k, model=data["model"],
                    prompt_lookup_min=lookup_min, prompt_lookup_max=lookup_max,
                    disable_by_batch_size=data["disable_by_batch_size"],

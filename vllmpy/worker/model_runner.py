@@ -475,9 +475,8 @@ class ModelRunner(StartupMixin):
             return proposals
         batch, limit = self.input_batch, self.config.model.max_model_len
         at, rows, room = [], [], []
-        for i, state in zip(handle.sample_rows, handle.states):
-            if off:
-                break
+        # (a proposer that runs every step still caches this step's tokens when off)
+        for i, state in ([] if off else zip(handle.sample_rows, handle.states)):
             if self.requests.get(state.req_id) is not state:
                 continue
             if state.sampling_params.structured_outputs is not None:
