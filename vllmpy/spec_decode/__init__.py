@@ -49,6 +49,11 @@ class Proposer:
     def initialize_kv_cache(self) -> None:
         """Allocate what the proposer keeps per token, once the target's pool is sized."""
 
+    def capture_graphs(self) -> str | None:
+        """CUDA: capture the proposer's own CUDA graphs, after the target's; returns the
+        start-up line's words for them (None: it keeps none)."""
+        return None
+
 
 def draft_kv_config(config: SpeculativeConfig, target_source_kind: str,
                     target_text: Any) -> Any | None:

@@ -7,7 +7,8 @@ pools, so the scheduler's allocation serves both, and ``num_lookahead_tokens`` s
 each step hold the KV of the draft's own drafts. Per request the proposer remembers how
 many tokens its KV holds; after a step it first computes the tokens it has not seen (the
 whole prompt the first time, then the tokens the step emitted), chunked to the step's
-token budget, then runs k - 1 one-token steps for the rest of the drafts. A request it
+token budget, then runs k - 1 one-token steps for the rest of the drafts (on CUDA through
+decode graphs of the draft, one per batch size the target captures). A request it
 meets again after a preemption, or one served from the target's prefix cache, starts from
 its first token: the draft's KV of shared blocks is rewritten with the same values.
 """
@@ -27,6 +28,7 @@ from vllmpy.loader.source import ModelSource, resolve_model_source
 from vllmpy.sample.sampler import greedy_ids
 from vllmpy.spec_decode import Proposer
 from vllmpy.spec_decode.config import FLAG, SpeculativeConfig
+from vllmpy.worker.cuda_graphs import StepGraphs
 from vllmpy.worker.input_batch import StepInputs
 from vllmpy.worker.step_buffers import StepBuffers
 
@@ -122,6 +124,15 @@ class DraftModelProposer(ModelProposer):
             f"{seconds:.2f} s")
         # req_id -> how many of its first tokens the draft's KV holds
         self.computed: dict[str, int] = {}
+        self.graphs: StepGraphs | None = None  # the draft's decode graphs (CUDA)
+
+    def capture_graphs(self) -> str:
+        runner = self.runner
+        self.graphs = StepGraphs(self.model, self.buffers, runner.config.scheduler.max_num_seqs,
+                                 runner.config.model.max_model_len)
+        self.graphs.capture()
+        sizes = self.graphs.sizes
+        return f"the draft's one-token steps ({len(sizes)} batch sizes, {sizes[0]}..{sizes[-1]})"
 
     def forget(self, req_id: str) -> None:
         self.computed.pop(req_id, None)
@@ -165,8 +176,15 @@ class DraftModelProposer(ModelProposer):
             starts[todo] += take
 
     def _forward(self, step: StepInputs) -> list[int]:
-        """One eager forward of the draft; the argmax at each sampling request's last
-        token."""
+        """One forward of the draft; the argmax at each sampling request's last token. A
+        one-token step replays the decode graph of its size, others run eagerly."""
+        graphs, n = self.graphs, len(step.seq_lens)
+        if (graphs is not None and step.max_query_len == 1 and len(step.sample_rows) == n
+                and n <= graphs.max_size):
+            size = graphs.decode_size(n)
+            self.buffers.stage(step, size, size, decode=True)
+            graphs.run(n)
+            return graphs.sampled[:n].tolist()
         hidden = self.model(*self._inputs(step))
         if not step.sample_rows:
             return []

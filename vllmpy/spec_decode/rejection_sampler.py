@@ -25,6 +25,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from vllmpy.sample.metadata import SamplingMetadata
@@ -62,7 +63,6 @@ def rejection_sample(logits: torch.Tensor, metadata: SamplingMetadata,
     distributions, None for deterministic drafts (one-hot).
     """
     device = logits.device
-    counts = torch.tensor(list(num_drafts), dtype=torch.int64, device=device)
     num_reqs, num_rows = len(num_drafts), logits.shape[0]
     total_drafts = sum(num_drafts)
     if num_rows != total_drafts + num_reqs or metadata.num_reqs != num_rows:
@@ -72,14 +72,20 @@ def rejection_sample(logits: torch.Tensor, metadata: SamplingMetadata,
     if draft_token_ids.shape != (total_drafts,):
         raise ValueError(f"draft_token_ids of shape {tuple(draft_token_ids.shape)} for "
                          f"{total_drafts} drafts")
-    # Each row's request, its index within the request, and whether it verifies a draft.
-    row_req = torch.repeat_interleave(torch.arange(num_reqs, device=device), counts + 1)
-    starts = torch.cumsum(counts + 1, 0) - (counts + 1)
-    row_pos = torch.arange(num_rows, device=device) - starts[row_req]
-    is_draft = row_pos < counts[row_req]
+    # Each row's request, its index within the request, whether it verifies a draft, and
+    # the draft rows: known on the host, sent in one copy that does not wait for the GPU.
+    counts = np.asarray(num_drafts, dtype=np.int64)
+    req_of_row = np.repeat(np.arange(num_reqs), counts + 1)
+    pos_of_row = np.arange(num_rows) - (np.cumsum(counts + 1) - (counts + 1))[req_of_row]
+    draft_of_row = pos_of_row < counts[req_of_row]
+    layout = to_device(np.concatenate([req_of_row, pos_of_row, draft_of_row,
+                                       np.nonzero(draft_of_row)[0]]), device)
+    row_req, row_pos = layout[:num_rows], layout[num_rows:2 * num_rows]
+    is_draft = layout[2 * num_rows:3 * num_rows].bool()
+    draft_rows = layout[3 * num_rows:]
     # The draft each draft row verifies (0 on bonus rows).
     row_draft = torch.zeros(num_rows, dtype=torch.int64, device=device)
-    row_draft[is_draft] = draft_token_ids
+    row_draft.index_copy_(0, draft_rows, draft_token_ids)
 
     md = metadata
     processed = apply_logits_processors(logits.float(), md)
@@ -94,7 +100,6 @@ def rejection_sample(logits: torch.Tensor, metadata: SamplingMetadata,
         uniform, noise = _draws(probs, md.generators)
         p_draft = probs.gather(1, row_draft.unsqueeze(1)).squeeze(1)
         residual = probs.clone()
-        draft_rows = is_draft.nonzero().squeeze(1)
         if draft_probs is None:  # one-hot proposals: accept with p(d), else p without d
             q_draft = torch.ones_like(p_draft)
             residual[draft_rows, draft_token_ids] = 0.0
@@ -104,7 +109,8 @@ def rejection_sample(logits: torch.Tensor, metadata: SamplingMetadata,
                                  f"{total_drafts} drafts of vocab {probs.shape[1]}")
             q = draft_probs.float()
             q_draft = torch.ones_like(p_draft)
-            q_draft[is_draft] = q.gather(1, draft_token_ids.unsqueeze(1)).squeeze(1)
+            q_draft.index_copy_(0, draft_rows,
+                                q.gather(1, draft_token_ids.unsqueeze(1)).squeeze(1))
             residual[draft_rows] = (probs[draft_rows] - q).clamp_(min=0.0)
         accepted = is_draft & (uniform * q_draft < p_draft)
         # A rejected row's residual has mass (p(d) < q(d) somewhere); where rounding left
@@ -125,9 +131,18 @@ def rejection_sample(logits: torch.Tensor, metadata: SamplingMetadata,
     row_tokens = torch.where(row_pos < num_accepted[row_req], row_draft, fallback)
     token_ids = torch.full((num_reqs, width), -1, dtype=torch.int64, device=device)
     emitted = row_pos <= num_accepted[row_req]
-    token_ids[row_req[emitted], row_pos[emitted]] = row_tokens[emitted]
+    token_ids[row_req, row_pos] = torch.where(emitted, row_tokens, -1)
     return RejectionOutput(token_ids=token_ids, num_emitted=num_accepted + 1,
                            row_tokens=row_tokens, processed_logits=processed)
+
+
+def to_device(values: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A host int64 array on ``device``; on CUDA through pinned memory, so that the host
+    does not wait for the kernels queued before the copy (a pageable copy would)."""
+    host = torch.from_numpy(np.ascontiguousarray(values, dtype=np.int64))
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 def _draws(probs: torch.Tensor, generators: dict[int, torch.Generator]

@@ -38,7 +38,7 @@ from vllmpy.sample.metadata import SamplingMetadata
 from vllmpy.sample.sampler import Sampler, plain_argmax
 from vllmpy.sampling_params import SamplingParams
 from vllmpy.spec_decode import Proposer, make_proposer
-from vllmpy.spec_decode.rejection_sampler import rejection_sample
+from vllmpy.spec_decode.rejection_sampler import rejection_sample, to_device
 from vllmpy.structured_output.bitmask import apply_step_grammar_bitmask
 from vllmpy.worker.cuda_graphs import StepGraphs
 from vllmpy.worker.input_batch import InputBatch, StepInputs
@@ -227,6 +227,14 @@ class ModelRunner(StartupMixin):
         log(f"CUDA graphs: {len(graphs.sizes)} decode batch sizes "
             f"({graphs.sizes[0]}..{graphs.sizes[-1]}){mixed} captured, "
             f"{grown / 2**30:.2f} GiB")
+        if self.proposer is not None:
+            before = torch.cuda.memory_reserved(self.device)
+            with self._load_stats.phase("cuda_graphs"):
+                what = self.proposer.capture_graphs()
+            if what is not None:
+                grown = torch.cuda.memory_reserved(self.device) - before
+                log(f"speculative decoding: CUDA graphs of {what} captured, "
+                    f"{grown / 2**30:.2f} GiB")
 
     # ---- one step -------------------------------------------------------------------
 
@@ -429,7 +437,7 @@ class ModelRunner(StartupMixin):
         """A step with drafts: score each sampling request's last drafts + 1 positions and
         let the rejection sampler choose its tokens (1 to drafts + 1 of them)."""
         assert self.model is not None and step.num_drafts is not None
-        index = torch.as_tensor(step.spec_logits_indices, device=self.device)
+        index = to_device(np.asarray(step.spec_logits_indices), self.device)
         logits = self.model.compute_logits(hidden[index])  # [sum(drafts + 1), vocab]
         states = [self.requests[req_ids[i]] for i in step.sample_rows]
         drafts = [out.scheduled_spec_decode_tokens.get(s.req_id, []) for s in states]
@@ -450,8 +458,8 @@ class ModelRunner(StartupMixin):
             output_token_ids=outputs, generators=generators,
             eos_token_ids=[s.eos_token_ids for s in row_states],
             vocab_size=self.vocab_size, device=self.device)
-        flat = torch.tensor([t for d in drafts for t in d], dtype=torch.int64,
-                            device=self.device)
+        flat = to_device(np.fromiter((t for d in drafts for t in d), dtype=np.int64),
+                         self.device)
         result = rejection_sample(logits, metadata, [len(d) for d in drafts], flat)
         lp = sampled_logprobs(params, logits, result.processed_logits, result.row_tokens)
         self._last_sampled = None  # (speculative steps are never launched ahead)
