@@ -1,11 +1,12 @@
 """vllmpy: an LLM inference and serving engine on PyTorch and Triton."""
 
 from vllmpy.config import EngineArgs
-from vllmpy.outputs import CompletionOutput, RequestOutput
+from vllmpy.outputs import CompletionOutput, PoolingRequestOutput, RequestOutput
+from vllmpy.pooling.params import PoolingParams
 from vllmpy.sampling_params import RequestOutputKind, SamplingParams
 
 __all__ = ["LLM", "AsyncLLM", "EngineArgs", "SamplingParams", "RequestOutput", "CompletionOutput",
-           "RequestOutputKind"]
+           "RequestOutputKind", "PoolingParams", "PoolingRequestOutput"]
 __version__ = "0.1.0"
 
 

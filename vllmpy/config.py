@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import Any, ClassVar
 
 from vllmpy.core.scheduler import SCHEDULING_POLICIES
 
@@ -39,6 +39,9 @@ class TextModelConfig:
     tie_word_embeddings: bool
     # each layer's sliding attention window (None: the layer attends to every token)
     layer_windows: tuple[int | None, ...]
+    # An encoder-only model (BERT and kin): bidirectional attention over each step's whole
+    # prompts, no KV cache; it serves pooling requests only. Set by the family's config.
+    ENCODER_ONLY: ClassVar[bool] = False
 
     @property
     def sliding_window(self) -> int | None:
@@ -47,6 +50,10 @@ class TextModelConfig:
         if not windows or any(w is None for w in windows):
             return None
         return max(w for w in windows if w is not None)
+
+
+RUNNERS = ("auto", "generate", "pooling")
+CONVERTS = ("auto", "none", "embed")
 
 
 @dataclass(frozen=True)
@@ -66,6 +73,9 @@ class ModelConfig:
     max_logprobs: int = 20
     # the checkpoint's weight quantization (a layers.quantization.QuantizationConfig)
     quantization: Any = None
+    runner: str = "generate"  # "generate" or "pooling"
+    # the pooling runner's pooling (a pooling.config.PoolingSpec); None for generate
+    pooling: Any = None
 
 
 @dataclass(frozen=True)
@@ -141,6 +151,11 @@ class EngineArgs:
     cuda_profile_graph_replays: int = 0  # > 0 arms the CUDA-graph-replay profiler (not built)
     cuda_profile_graph_batch: int | None = None  # its traced batch; 16 when replays are armed
     speculative_config: str | dict[str, Any] | None = None  # vLLM's JSON; None: off
+    # generate | pooling | auto (pooling for encoder-only architectures, else generate)
+    runner: str = "auto"
+    # pooling runner over a generative checkpoint: embed (last-token vectors) | auto | none
+    convert: str = "auto"
+    pooler_config: str | dict[str, Any] | None = None  # vLLM's PoolerConfig JSON
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -220,6 +235,17 @@ class EngineArgs:
                             "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4}' or "
                             "'{\"method\": \"draft_model\", \"model\": \"draft.gguf\", "
                             "\"num_speculative_tokens\": 4}'")
+        g.add_argument("--runner", default="auto", choices=RUNNERS,
+                       help="generate (sampling) or pooling (embeddings, classification, "
+                            "scores); auto: pooling for encoder-only models (BERT and kin)")
+        g.add_argument("--convert", default="auto", choices=CONVERTS,
+                       help="with --runner pooling over a generative checkpoint: embed "
+                            "(the last token's state, normalized, as Qwen3-Embedding); "
+                            "auto: embed")
+        g.add_argument("--pooler-config", default=None,
+                       help="vLLM's PoolerConfig JSON: '{\"pooling_type\": \"MEAN\", "
+                            "\"normalize\": true}' (pooling_type CLS, MEAN, LAST, ALL or "
+                            "STEP; step_tag_id)")
         return parser
 
     @classmethod

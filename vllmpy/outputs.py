@@ -1,8 +1,11 @@
-"""What the library hands back: vLLM's RequestOutput, CompletionOutput and Logprob."""
+"""What the library hands back: vLLM's RequestOutput, CompletionOutput and Logprob, and
+for pooling requests PoolingRequestOutput and its task views (embedding, classification,
+score)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -117,3 +120,71 @@ class IterationStats:
     time_to_first_tokens: list[float] = field(default_factory=list)  # seconds
     inter_token_latencies: list[float] = field(default_factory=list)  # seconds
     finished: list[FinishedRequestStats] = field(default_factory=list)
+
+
+@dataclass
+class PoolingOutput:
+    """A pooling request's output: ``data`` is a float32 tensor (one vector, or one row per
+    token for the encode task)."""
+
+    data: Any  # torch.Tensor
+
+
+@dataclass
+class PoolingRequestOutput:
+    """vLLM's ``PoolingRequestOutput``: one per prompt of an encode/embed/classify/score
+    call."""
+
+    request_id: str
+    outputs: PoolingOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+    prompt: str | None = None
+    metrics: RequestMetrics | None = None
+
+
+@dataclass
+class EmbeddingOutput:
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass
+class ClassificationOutput:
+    probs: list[float]  # per label (after softmax / sigmoid unless the request said not)
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.probs)
+
+
+@dataclass
+class ScoringOutput:
+    score: float
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    request_id: str
+    outputs: EmbeddingOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+
+
+@dataclass
+class ClassificationRequestOutput:
+    request_id: str
+    outputs: ClassificationOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+
+
+@dataclass
+class ScoringRequestOutput:
+    request_id: str
+    outputs: ScoringOutput
+    prompt_token_ids: list[int]
+    finished: bool = True

@@ -68,7 +68,8 @@ class KVCacheManager:
         it, as vLLM's skip_reading_prefix_cache has it).
         """
         if (not self.enable_caching or request.request_id in self._req_to_blocks
-                or request.sampling_params.prompt_logprobs is not None):
+                or request.sampling_params.prompt_logprobs is not None
+                or request.pooling_params is not None):  # pooling reads every position
             return [], 0
         max_blocks = (request.num_tokens - 1) // self.block_size
         block_ids: list[int] = []

@@ -52,6 +52,7 @@ class Request:
         arrival_time: float,
         priority: int = 0,
         cache_salt: str | None = None,
+        pooling_params: Any = None,
     ) -> None:
         if not prompt_token_ids:
             raise ValueError(f"request {request_id!r}: the prompt must have at least one token")
@@ -65,6 +66,9 @@ class Request:
         self.arrival_time = arrival_time
         self.priority = priority
         self.cache_salt = cache_salt
+        # A pooling request (a pooling.params.PoolingParams): scheduled whole, computed in
+        # one step, finished there with its pooled output; None for a generate request.
+        self.pooling_params = pooling_params
 
         self.status = RequestStatus.WAITING
         self.output_token_ids: list[int] = []

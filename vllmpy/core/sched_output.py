@@ -7,6 +7,7 @@ description into device inputs.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -24,6 +25,7 @@ class NewRequestData:
     sampling_params: SamplingParams
     block_ids: list[int]  # every KV block of the request, in order
     num_computed_tokens: int  # tokens whose KV is already in the cache (0 without caching)
+    pooling_params: Any = None  # a pooling request's PoolingParams; None to generate
 
 
 @dataclass
@@ -106,6 +108,8 @@ class ModelRunnerOutput:
     # Speculative decoding: aligned with req_ids, the drafts proposed for each request's
     # next step (empty lists for none); empty when nothing was proposed.
     spec_token_ids: list[list[int]] = field(default_factory=list)
+    # A pooling step: req_id -> its pooled output (float32)
+    pooled: dict[str, np.ndarray] = field(default_factory=dict)
 
 
 @dataclass
@@ -127,6 +131,10 @@ class EngineCoreOutput:
     # Prompt logprobs scored by this step's prefill chunk (an output may carry them
     # before the request has a token), for a request that asked for prompt_logprobs.
     new_prompt_logprobs: LogprobsLists | None = None
+    # A pooling request's output (it finishes with it): float32 values, little-endian,
+    # of the array of shape pooled_shape.
+    pooled_data: bytes | None = None
+    pooled_shape: list[int] | None = None
 
     @property
     def finished(self) -> bool:

@@ -142,7 +142,13 @@ class Scheduler:
         """Queue a new request. Raises ValueError for a duplicate id or an over-long prompt."""
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
-        if request.num_prompt_tokens >= self.max_model_len:
+        # a pooling request generates nothing, so its prompt may fill max_model_len
+        if request.pooling_params is not None:
+            if request.num_prompt_tokens > self.max_model_len:
+                raise ValueError(f"request {request.request_id!r}: the prompt has "
+                                 f"{request.num_prompt_tokens} tokens, past "
+                                 f"max_model_len={self.max_model_len}")
+        elif request.num_prompt_tokens >= self.max_model_len:
             raise ValueError(
                 f"request {request.request_id!r}: the prompt has {request.num_prompt_tokens} "
                 f"tokens, at or past max_model_len={self.max_model_len}"
@@ -304,6 +310,8 @@ class Scheduler:
         while self.waiting and plan.budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
             computed_blocks, num_hit = kv.get_computed_blocks(request)
+            if request.pooling_params is not None and request.num_tokens > plan.budget:
+                return  # a pooling request is computed whole, in one step
             num_new = min(request.num_tokens - num_hit, plan.budget)
             if kv.allocate_slots(request, num_new, computed_blocks,
                                  self._lookahead(request, num_hit + num_new)) is None:
@@ -323,6 +331,7 @@ class Scheduler:
                     sampling_params=request.sampling_params,
                     block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
                     num_computed_tokens=request.num_computed_tokens,
+                    pooling_params=request.pooling_params,
                 )
             )
             plan.num_scheduled_tokens[request.request_id] = num_new
@@ -487,6 +496,10 @@ class Scheduler:
             else:
                 request.num_computed_tokens += num_scheduled
                 mid_prefill = request.num_computed_tokens < request.num_tokens
+            if request.pooling_params is not None:
+                outputs.append(self._finish_pooling(request,
+                                                    model_runner_output.pooled.get(req_id)))
+                continue
             drafts = scheduler_output.scheduled_spec_decode_tokens.get(req_id)
             if drafts and sampled:  # the rejected drafts' KV is not the request's
                 request.num_computed_tokens -= len(drafts) + 1 - len(sampled)
@@ -523,6 +536,18 @@ class Scheduler:
                     )
                 )
         return outputs
+
+    def _finish_pooling(self, request: Request, pooled: np.ndarray | None) -> EngineCoreOutput:
+        """A pooling request's one step ran: it finishes with its pooled output."""
+        self.running.remove(request)
+        self._finish(request, RequestStatus.FINISHED_STOPPED)
+        if pooled is None:  # the runner pools every request it computes whole
+            return EngineCoreOutput(request.request_id, [], finish_reason="error",
+                                    error="the pooling step returned no output for it")
+        data = np.ascontiguousarray(pooled, dtype="<f4")
+        return EngineCoreOutput(request.request_id, [], finish_reason="stop",
+                                num_cached_tokens=request.num_cached_tokens or 0,
+                                pooled_data=data.tobytes(), pooled_shape=list(data.shape))
 
     def _append_tokens(self, request: Request, token_ids: Iterable[int],
                        appended: list[int]) -> bool:

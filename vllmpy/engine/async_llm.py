@@ -35,9 +35,12 @@ from vllmpy.outputs import (
     CompletionOutput,
     FinishedRequestStats,
     IterationStats,
+    PoolingOutput,
+    PoolingRequestOutput,
     RequestMetrics,
     RequestOutput,
 )
+from vllmpy.pooling.params import PoolingParams
 from vllmpy.sampling_params import SamplingParams
 
 __all__ = ["AsyncLLM", "EngineDeadError", "EngineGenerateError", "EngineStartupError"]
@@ -55,7 +58,7 @@ class EngineGenerateError(RuntimeError):
 class _RequestState:
     """What AsyncLLM keeps per generate() call."""
 
-    queue: asyncio.Queue[RequestOutput | BaseException]
+    queue: asyncio.Queue[Any]  # RequestOutputs (PoolingRequestOutputs) or an error
     metrics: RequestMetrics  # inter_token_latencies: intervals not yet handed out
     prompt: str | None
     prompt_token_ids: list[int]
@@ -63,6 +66,7 @@ class _RequestState:
     max_tokens: int
     failed: bool = False  # an error or an abort has been queued: nothing more goes in
     counted: bool = False  # its end is in the metrics already
+    pooling: bool = False  # an encode() call: its outputs are PoolingRequestOutputs
 
 
 class AsyncLLM:
@@ -181,12 +185,55 @@ class AsyncLLM:
                 self._count_end(state, "abort")
                 self._abort_in_background(request_id)
 
+    async def encode(self, prompt: PromptType, pooling_params: PoolingParams,
+                     request_id: str, *, pair: str | None = None,
+                     priority: int = 0) -> AsyncGenerator[PoolingRequestOutput, None]:
+        """Run one pooling request (vLLM's ``AsyncLLM.encode``): yields its one
+        PoolingRequestOutput. ``pair``: the second text of a cross-encoder's pair."""
+        self._raise_if_dead()
+        if request_id in self._requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        processed = self.input_processor.process_pooling(request_id, prompt, pooling_params,
+                                                         pair, priority)
+        self._ensure_output_task()
+        state = _RequestState(
+            queue=asyncio.Queue(),
+            metrics=RequestMetrics(arrival_time=processed.core_requests[0].arrival_time,
+                                   num_prompt_tokens=len(processed.prompt_token_ids)),
+            prompt=processed.prompt, prompt_token_ids=processed.prompt_token_ids,
+            n=1, max_tokens=1, pooling=True)
+        self._requests[request_id] = state
+        self.output_processor.add_request(request_id, processed.prompt,
+                                          processed.prompt_token_ids, processed.child_params,
+                                          pooling=True)
+        finished = False
+        try:
+            await self.client.add_request(processed.core_requests[0])
+            while not finished:
+                item = await state.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                if item.outputs.data is None:
+                    raise EngineGenerateError(f"pooling request {request_id!r} was aborted")
+                yield item
+        finally:
+            self._requests.pop(request_id, None)
+            if not finished:
+                self._count_end(state, "abort")
+                self._abort_in_background(request_id)
+
     async def abort(self, request_id: str) -> None:
         """Abort a request: the core frees its blocks, and its generate() ends with a
         final output whose unfinished completions have finish_reason "abort"."""
         child_ids = self.output_processor.abort(request_id)
         state = self._requests.get(request_id)
-        if state is not None and not state.failed:
+        if state is not None and not state.failed and state.pooling:
+            state.failed = True
+            self._count_end(state, "abort")
+            state.queue.put_nowait(PoolingRequestOutput(
+                request_id, PoolingOutput(None), state.prompt_token_ids, True, state.prompt))
+        elif state is not None and not state.failed:
             state.failed = True
             self._count_end(state, "abort")
             state.queue.put_nowait(RequestOutput(
@@ -266,8 +313,9 @@ class AsyncLLM:
                 continue
             out.metrics = self._take_metrics(state, out.finished, batch.timestamp)
             if out.finished:
-                reason = next((c.finish_reason for c in out.outputs if c.finish_reason),
-                              "stop")
+                reason = ("stop" if isinstance(out, PoolingRequestOutput) else
+                          next((c.finish_reason for c in out.outputs if c.finish_reason),
+                               "stop"))
                 self._count_end(state, reason, iteration, batch.timestamp)
             state.queue.put_nowait(out)
         if batch.scheduler_stats is not None:
@@ -286,6 +334,8 @@ class AsyncLLM:
             if parent_id is None or state is None:
                 continue
             m = state.metrics
+            if out.pooled_data is not None:  # a pooling request's one step: its prompt
+                iteration.num_prompt_tokens += m.num_prompt_tokens
             if out.new_token_ids:
                 iteration.num_generation_tokens += len(out.new_token_ids)
                 last = m.last_token_time

@@ -238,7 +238,19 @@ def build_engine_config(args: EngineArgs, source: ModelSource | None = None) -> 
     kv_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, dtype, source)
     _check_kv_dtype_on_device(kv_dtype, device)
     speculative, async_scheduling = _speculative(args, device)
+    runner, pooling = _runner(args, source, text)
+    if runner == "pooling":
+        if speculative is not None:
+            raise ConfigError("--speculative-config: a pooling model samples no tokens, so "
+                              "there is nothing to speculate")
+        async_scheduling = False  # each request ends with its one step
     per_block = _bytes_per_block(text, args.block_size, kv_dtype)
+    budget = args.max_num_batched_tokens or (
+        DEFAULT_MAX_NUM_BATCHED_TOKENS_CUDA if device == "cuda"
+        else DEFAULT_MAX_NUM_BATCHED_TOKENS)
+    if text.ENCODER_ONLY:
+        return _encoder_engine_config(args, source, text, dtype, quant, kv_dtype, device,
+                                      budget, pooling)
     if speculative is not None:
         # a draft model's (or head's) pool shares the target's blocks: a block holds both
         from vllmpy.spec_decode import draft_kv_config
@@ -279,10 +291,11 @@ def build_engine_config(args: EngineArgs, source: ModelSource | None = None) -> 
         seed=args.seed,
         max_logprobs=args.max_logprobs,
         quantization=quant,
+        runner=runner,
+        pooling=pooling,
     )
-    budget = args.max_num_batched_tokens or (
-        DEFAULT_MAX_NUM_BATCHED_TOKENS_CUDA if device == "cuda"
-        else DEFAULT_MAX_NUM_BATCHED_TOKENS)
+    if runner == "pooling":  # a prompt is computed in one step
+        budget = max(budget, max_model_len)
     return EngineConfig(model=model, cache=cache,
                         scheduler=SchedulerConfig(args.max_num_seqs, budget,
                                                   args.scheduling_policy),
@@ -290,6 +303,82 @@ def build_engine_config(args: EngineArgs, source: ModelSource | None = None) -> 
                         async_scheduling=async_scheduling,
                         enable_jump_forward=args.enable_jump_forward,
                         speculative=speculative)
+
+
+def _runner(args: EngineArgs, source: ModelSource, text: TextModelConfig
+            ) -> tuple[str, Any]:
+    """The runner (generate or pooling) and, for pooling, how it pools."""
+    from vllmpy.models.registry import resolve_model_class
+    from vllmpy.pooling.config import parse_pooler_config, pooling_spec
+
+    arch = text.architectures[0]
+    runner = args.runner
+    if runner == "auto":
+        runner = "pooling" if text.ENCODER_ONLY else "generate"
+    if runner == "generate":
+        if text.ENCODER_ONLY:
+            raise ConfigError(f"{arch} is an encoder-only model: it embeds, classifies or "
+                              f"scores, and generates no text (serve it with --runner "
+                              f"pooling, or leave --runner at auto)")
+        if args.pooler_config is not None:
+            raise ConfigError("--pooler-config applies to a pooling model (--runner pooling)")
+        return runner, None
+    overrides = parse_pooler_config(args.pooler_config)
+    if text.ENCODER_ONLY:
+        if args.convert not in ("auto", "none"):
+            raise ConfigError(f"--convert {args.convert}: {arch} is a pooling model already")
+        default = getattr(resolve_model_class(text.architectures), "default_pooling_type",
+                          "CLS")
+    else:
+        if args.convert == "none":
+            raise ConfigError(f"--runner pooling over the generative {arch} needs "
+                              f"--convert embed (its last token's state as the embedding)")
+        default = "LAST"  # vLLM's for a converted decoder (Qwen3-Embedding)
+    model_dir = source.path if source.kind == "hf_dir" else None
+    spec = pooling_spec(model_dir, default, True, overrides)
+    log(f"pooling model: {arch}, {spec.pooling_type} pooling ({spec.source})"
+        f"{', normalized' if spec.normalize else ''}"
+        f"{f', {len(spec.dense)} Dense layers' if spec.dense else ''}")
+    return runner, spec
+
+
+def _encoder_engine_config(args: EngineArgs, source: ModelSource, text: TextModelConfig,
+                           dtype: Any, quant: Any, kv_dtype: Any, device: str, budget: int,
+                           pooling: Any) -> EngineConfig:
+    """An encoder-only model keeps no KV: its attention runs over each step's whole
+    prompts. The block table stays (the scheduler counts seats and tokens in blocks) with
+    no memory behind it: enough blocks for one full step."""
+    limit = text.max_position_embeddings
+    if pooling.max_seq_length:
+        limit = min(limit, int(pooling.max_seq_length))
+    if args.max_model_len is not None and args.max_model_len > text.max_position_embeddings:
+        raise ConfigError(f"--max-model-len {args.max_model_len} exceeds the model's "
+                          f"max_position_embeddings ({text.max_position_embeddings})")
+    max_model_len = args.max_model_len or limit
+    budget = max(budget, max_model_len)
+    num_blocks = -(-budget // args.block_size) + args.max_num_seqs
+    cache = CacheConfig(block_size=args.block_size, num_blocks=num_blocks,
+                        kv_cache_dtype=kv_dtype, kv_cache_dtype_requested=args.kv_cache_dtype,
+                        bytes_per_block=0, enable_prefix_caching=False,
+                        gpu_memory_utilization=args.gpu_memory_utilization)
+    how = ("--max-model-len" if args.max_model_len else
+           "sentence-transformers' max_seq_length" if limit < text.max_position_embeddings
+           else "the model's max_position_embeddings")
+    log(f"KV cache: none (encoder-only {text.architectures[0]}: bidirectional attention "
+        f"over each step's whole prompts); max_model_len {max_model_len} ({how})")
+    model = ModelConfig(
+        model=source.model, source_kind=source.kind, path=source.path,
+        hf_config=source.hf_config, text_config=text, dtype=dtype,
+        max_model_len=max_model_len, max_model_len_fitted=False,
+        eos_token_ids=frozenset(source.eos_token_ids), tokenizer_config=args.tokenizer_config,
+        seed=args.seed, max_logprobs=args.max_logprobs, quantization=quant,
+        runner="pooling", pooling=pooling)
+    return EngineConfig(model=model, cache=cache,
+                        scheduler=SchedulerConfig(args.max_num_seqs, budget,
+                                                  args.scheduling_policy),
+                        device=device, enforce_eager=args.enforce_eager,
+                        async_scheduling=False, enable_jump_forward=args.enable_jump_forward,
+                        speculative=None)
 
 
 def _speculative(args: EngineArgs, device: str) -> tuple[Any, bool]:

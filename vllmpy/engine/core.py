@@ -20,6 +20,7 @@ from vllmpy.core.sched_output import (
 )
 from vllmpy.core.scheduler import Scheduler
 from vllmpy.loader.source import ModelSource, load_tokenizer
+from vllmpy.pooling.params import PoolingParams
 from vllmpy.sampling_params import SamplingParams
 from vllmpy.structured_output.manager import StructuredOutputManager
 from vllmpy.worker.model_runner import ModelRunner, StepHandle
@@ -39,6 +40,7 @@ class EngineCoreRequest:
     arrival_time: float
     priority: int = 0  # lower first, under the priority scheduling policy
     cache_salt: str | None = None  # shares cached KV only with requests of the same salt
+    pooling_params: PoolingParams | None = None  # a pooling request's task (no sampling)
 
 
 class EngineCore:
@@ -101,6 +103,7 @@ class EngineCore:
             arrival_time=req.arrival_time,
             priority=req.priority,
             cache_salt=req.cache_salt,
+            pooling_params=req.pooling_params,
         )
         structured = req.sampling_params.structured_outputs
         if structured is not None:  # its grammar starts compiling now, off the step loop

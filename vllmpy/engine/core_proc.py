@@ -16,6 +16,7 @@ the KV cache and both sockets are up, or ("error", text) and exits with status 1
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import sys
@@ -30,6 +31,7 @@ from vllmpy.config import EngineConfig
 from vllmpy.core.sched_output import EngineCoreOutput, EngineCoreOutputs
 from vllmpy.engine.core import EngineCore, EngineCoreRequest
 from vllmpy.loader.source import ModelSource
+from vllmpy.pooling.params import PoolingParams
 from vllmpy.sampling_params import RequestOutputKind, SamplingParams
 
 ADD = b"add"
@@ -55,20 +57,25 @@ class AddRequestMsg(msgspec.Struct, array_like=True):
     arrival_time: float
     priority: int = 0
     cache_salt: str | None = None
+    pooling_params: dict[str, Any] | None = None
 
     @classmethod
     def from_request(cls, req: EngineCoreRequest) -> AddRequestMsg:
         params = {f.name: getattr(req.sampling_params, f.name)
                   for f in fields(SamplingParams) if f.init}
+        pooling = (None if req.pooling_params is None
+                   else dataclasses.asdict(req.pooling_params))
         return cls(req.request_id, req.prompt_token_ids, params, req.max_tokens,
-                   req.arrival_time, req.priority, req.cache_salt)
+                   req.arrival_time, req.priority, req.cache_salt, pooling)
 
     def to_request(self) -> EngineCoreRequest:
         params = SamplingParams(**self.sampling_params)
         params.output_kind = RequestOutputKind(params.output_kind)
+        pooling = (None if self.pooling_params is None
+                   else PoolingParams(**self.pooling_params))
         return EngineCoreRequest(self.request_id, self.prompt_token_ids, params,
                                  self.max_tokens, self.arrival_time, self.priority,
-                                 self.cache_salt)
+                                 self.cache_salt, pooling)
 
 
 class UtilityCall(msgspec.Struct, array_like=True):

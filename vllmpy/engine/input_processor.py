@@ -10,7 +10,8 @@ from vllmpy import envs
 from vllmpy.config import ModelConfig
 from vllmpy.engine.core import EngineCoreRequest
 from vllmpy.engine.output_processor import child_request_id
-from vllmpy.sampling_params import SamplingParams
+from vllmpy.pooling.params import PoolingParams
+from vllmpy.sampling_params import RequestOutputKind, SamplingParams
 
 # A prompt is text, a list of token ids, or vLLM's dict forms {"prompt": text} and
 # {"prompt_token_ids": ids}, either of which may add "cache_salt": str.
@@ -183,6 +184,7 @@ class InputProcessor:
         so a refused prompt leaves no trace. ``prompt_token_ids``, when given, are used
         instead of tokenizing ``prompt`` (whose text, if any, is kept for the output).
         A dict prompt's ``cache_salt`` goes to every child."""
+        self.check_task("generate")
         salt = check_cache_salt(prompt.get("cache_salt")) if isinstance(prompt, dict) else None
         self.check_priority(priority)
         if prompt_token_ids is None:
@@ -202,3 +204,99 @@ class InputProcessor:
                                       priority, salt)
                          for i, p in enumerate(children)]
         return ProcessedPrompt(text, ids, children, core_requests)
+
+    # ---- pooling requests -----------------------------------------------------------
+
+    def check_task(self, task: str) -> None:
+        """A pooling task this engine serves, else a ValueError naming the task and model."""
+        from vllmpy.pooling import model_tasks
+
+        tasks = model_tasks(self.model_config)
+        name, arch = self.model_config.model, self.model_config.text_config.architectures[0]
+        if task == "generate" and "generate" not in tasks:
+            raise ValueError(f"the model {name!r} ({arch}) is a pooling model (tasks: "
+                             f"{', '.join(tasks)}): it does not generate text")
+        if task != "generate" and task not in tasks:
+            how = (" (start it with --runner pooling --convert embed to embed with it)"
+                   if tasks == ("generate",) else "")
+            raise ValueError(f"the model {name!r} ({arch}) does not serve the {task} task; "
+                             f"it serves: {', '.join(tasks)}{how}")
+
+    def _pooling_ids(self, prompt: PromptType, params: PoolingParams,
+                     pair: str | None) -> tuple[str | None, list[int]]:
+        """Token ids of a pooling prompt (a text pair for a cross-encoder), truncated when
+        ``truncate_prompt_tokens`` asks, else checked against max_model_len."""
+        spec = self.model_config.pooling
+        limit = self.model_config.max_model_len
+        keep = params.truncate_prompt_tokens
+        keep = limit if keep == -1 else keep
+        if keep is not None and keep > limit:
+            raise ValueError(f"truncate_prompt_tokens {keep} exceeds this model's maximum "
+                             f"input length of {limit} tokens")
+        text = prompt.get("prompt") if isinstance(prompt, dict) else prompt
+        if isinstance(text, str) or pair is not None:
+            if self.tokenizer is None:
+                raise ValueError("no tokenizer is loaded; pass prompt token ids instead of "
+                                 "text")
+            if not isinstance(text, str):
+                raise ValueError("a text pair needs two texts")
+            check_unicode(text, "the input")
+            if params.task == "embed" and spec is not None and spec.default_prompt:
+                text = spec.default_prompt + text
+            backend = self.tokenizer.backend
+            if keep is not None:  # the tokenizer's truncation keeps the special tokens
+                backend.enable_truncation(keep)
+            try:
+                if pair is None:
+                    ids = backend.encode(text, add_special_tokens=True).ids
+                else:
+                    check_unicode(pair, "the second text")
+                    ids = backend.encode(text, pair, add_special_tokens=True).ids
+            finally:
+                if keep is not None:
+                    backend.no_truncation()
+        else:
+            text, ids = self.tokenize(prompt)
+            if keep is not None:
+                ids = ids[:keep]
+        if not ids:
+            raise ValueError("the input is empty: it must contain at least one token")
+        if len(ids) > limit:
+            raise RequestTooLongError(
+                f"This model's maximum input length is {limit} tokens. However, the input "
+                f"is {len(ids)} tokens. Please shorten it, or set truncate_prompt_tokens to "
+                f"truncate it.")
+        return text if isinstance(text, str) else None, ids
+
+    def _check_dimensions(self, params: PoolingParams) -> None:
+        if params.dimensions is None:
+            return
+        if params.task != "embed":
+            raise ValueError(f"dimensions applies to the embed task, not {params.task}")
+        cfg = self.model_config.hf_config
+        allowed = cfg.get("matryoshka_dimensions")
+        if not (cfg.get("is_matryoshka") or allowed):
+            raise ValueError(f"Model {self.model_config.model!r} does not support matryoshka "
+                             f"representation, changing output dimensions will lead to poor "
+                             f"results.")
+        if allowed and params.dimensions not in allowed:
+            raise ValueError(f"Model {self.model_config.model!r} only supports "
+                             f"{sorted(allowed)} matryoshka dimensions, got "
+                             f"{params.dimensions}")
+
+    def process_pooling(self, request_id: str, prompt: PromptType, params: PoolingParams,
+                        pair: str | None = None, priority: int = 0) -> ProcessedPrompt:
+        """Validate and tokenize one pooling prompt (with ``pair``: a cross-encoder's text
+        pair) into its one core request."""
+        self.check_task(params.task)
+        self.check_priority(priority)
+        self._check_dimensions(params)
+        salt = check_cache_salt(prompt.get("cache_salt")) if isinstance(prompt, dict) else None
+        text, ids = self._pooling_ids(prompt, params, pair)
+        sampling = SamplingParams(max_tokens=1, detokenize=False)
+        sampling.output_kind = RequestOutputKind.FINAL_ONLY
+        request = EngineCoreRequest(request_id=request_id, prompt_token_ids=list(ids),
+                                    sampling_params=sampling, max_tokens=1,
+                                    arrival_time=time.time(), priority=priority,
+                                    cache_salt=salt, pooling_params=params)
+        return ProcessedPrompt(text, ids, [sampling], [request])

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Iterator, Sequence
 from dataclasses import fields, replace
 from typing import Any
+
+import torch
 
 from vllmpy.config import EngineArgs
 from vllmpy.engine.configure import build_engine_config, model_source
@@ -14,7 +17,18 @@ from vllmpy.engine.input_processor import InputProcessor, PromptType
 from vllmpy.engine.output_processor import OutputProcessor
 from vllmpy.loader.load_stats import LoadStats
 from vllmpy.loader.source import load_tokenizer
-from vllmpy.outputs import RequestMetrics, RequestOutput
+from vllmpy.outputs import (
+    ClassificationOutput,
+    ClassificationRequestOutput,
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
+    PoolingRequestOutput,
+    RequestMetrics,
+    RequestOutput,
+    ScoringOutput,
+    ScoringRequestOutput,
+)
+from vllmpy.pooling.params import PoolingParams
 from vllmpy.sampling_params import RequestOutputKind, SamplingParams
 from vllmpy.structured_output import validate_structured_outputs
 
@@ -208,6 +222,128 @@ class LLM:
             if child_ids:
                 self.engine.abort_requests(child_ids)
 
+    # ---- pooling --------------------------------------------------------------------------
+
+    def _add_pooling(self, prompt: PromptType, params: PoolingParams,
+                     pair: str | None = None) -> str:
+        request_id = str(next(self._counter))
+        processed = self.input_processor.process_pooling(request_id, prompt, params, pair)
+        self.output_processor.add_request(request_id, processed.prompt,
+                                          processed.prompt_token_ids, processed.child_params,
+                                          pooling=True)
+        self._metrics[request_id] = RequestMetrics(
+            arrival_time=processed.core_requests[0].arrival_time,
+            num_prompt_tokens=len(processed.prompt_token_ids))
+        self.engine.add_request(processed.core_requests[0])
+        return request_id
+
+    def _run_pooling(self, items: list[tuple[PromptType, PoolingParams, str | None]],
+                     use_tqdm: bool) -> list[PoolingRequestOutput]:
+        """Queue every (prompt, params, pair) and run them; outputs in input order."""
+        order: dict[str, int] = {}
+        try:
+            for i, (prompt, params, pair) in enumerate(items):
+                order[self._add_pooling(prompt, params, pair)] = i
+        except Exception:
+            self._abort_all(list(order))
+            raise
+        results: list[PoolingRequestOutput | None] = [None] * len(items)
+        bar = _progress(len(items)) if use_tqdm else None
+        while self.output_processor.has_unfinished():
+            for out in self._step():
+                if out.finished:
+                    if out.outputs.data is None:
+                        self._abort_all(list(order))
+                        raise RuntimeError(f"pooling request {out.request_id!r} failed in "
+                                           f"the engine")
+                    results[order[out.request_id]] = out
+                    if bar is not None:
+                        bar.update(1)
+        if bar is not None:
+            bar.close()
+        return [r for r in results if r is not None]
+
+    def _pooling_items(self, prompts: PromptType | Sequence[PromptType],
+                       pooling_params: PoolingParams | Sequence[PoolingParams] | None,
+                       task: str, truncate_prompt_tokens: int | None
+                       ) -> list[tuple[PromptType, PoolingParams, str | None]]:
+        prompt_list, _ = self._normalize(prompts, None)
+        if pooling_params is None or isinstance(pooling_params, PoolingParams):
+            base = pooling_params or PoolingParams(task=task)
+            params_list = [base] * len(prompt_list)
+        else:
+            params_list = list(pooling_params)
+            if len(params_list) != len(prompt_list):
+                raise ValueError(f"got {len(params_list)} pooling params for "
+                                 f"{len(prompt_list)} prompts")
+        items = []
+        for prompt, params in zip(prompt_list, params_list):
+            params = dataclasses.replace(params, task=task)
+            if truncate_prompt_tokens is not None:
+                params = dataclasses.replace(params, truncate_prompt_tokens=truncate_prompt_tokens)
+            items.append((prompt, params, None))
+        return items
+
+    def encode(self, prompts: PromptType | Sequence[PromptType],
+               pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+               use_tqdm: bool = True, truncate_prompt_tokens: int | None = None,
+               ) -> list[PoolingRequestOutput]:
+        """The pooling model's raw output per prompt (vLLM's ``LLM.encode``): the hidden
+        state of every token (ALL pooling), or of the step tokens (STEP)."""
+        return self._run_pooling(self._pooling_items(prompts, pooling_params, "encode",
+                                                     truncate_prompt_tokens), use_tqdm)
+
+    def embed(self, prompts: PromptType | Sequence[PromptType],
+              pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+              use_tqdm: bool = True, truncate_prompt_tokens: int | None = None,
+              ) -> list[EmbeddingRequestOutput]:
+        """One embedding per prompt (vLLM's ``LLM.embed``); ``pooling_params`` may set
+        ``dimensions`` and ``normalize``."""
+        outs = self._run_pooling(self._pooling_items(prompts, pooling_params, "embed",
+                                                     truncate_prompt_tokens), use_tqdm)
+        return [EmbeddingRequestOutput(o.request_id, EmbeddingOutput(o.outputs.data.tolist()),
+                                       o.prompt_token_ids) for o in outs]
+
+    def classify(self, prompts: PromptType | Sequence[PromptType],
+                 pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+                 use_tqdm: bool = True, truncate_prompt_tokens: int | None = None,
+                 ) -> list[ClassificationRequestOutput]:
+        """Class probabilities per prompt (vLLM's ``LLM.classify``)."""
+        outs = self._run_pooling(self._pooling_items(prompts, pooling_params, "classify",
+                                                     truncate_prompt_tokens), use_tqdm)
+        return [ClassificationRequestOutput(o.request_id,
+                                            ClassificationOutput(o.outputs.data.tolist()),
+                                            o.prompt_token_ids) for o in outs]
+
+    def score(self, data_1: str | Sequence[str], data_2: str | Sequence[str],
+              use_tqdm: bool = True, truncate_prompt_tokens: int | None = None,
+              pooling_params: PoolingParams | None = None) -> list[ScoringRequestOutput]:
+        """Relevance of each text pair (vLLM's ``LLM.score``): ``data_1`` one text against
+        every text of ``data_2``, or the two lists pairwise. A cross-encoder scores each
+        pair in one forward; an embedding model scores by the cosine of the two
+        embeddings."""
+        pairs = score_pairs(data_1, data_2)
+        params = dataclasses.replace(pooling_params or PoolingParams(), task="score",
+                                     truncate_prompt_tokens=truncate_prompt_tokens)
+        from vllmpy.pooling import model_tasks
+
+        if "classify" in model_tasks(self.config.model):
+            outs = self._run_pooling([(a, params, b) for a, b in pairs], use_tqdm)
+            return [ScoringRequestOutput(o.request_id, ScoringOutput(float(o.outputs.data[0])),
+                                         o.prompt_token_ids) for o in outs]
+        self.input_processor.check_task("score")
+        embed = dataclasses.replace(params, task="embed")
+        texts = [t for pair in pairs for t in pair]
+        outs = self._run_pooling([(t, embed, None) for t in texts], use_tqdm)
+        results = []
+        for k in range(len(pairs)):
+            a, b = outs[2 * k], outs[2 * k + 1]
+            score = float(torch.nn.functional.cosine_similarity(
+                a.outputs.data, b.outputs.data, dim=0))
+            results.append(ScoringRequestOutput(a.request_id, ScoringOutput(score),
+                                                a.prompt_token_ids + b.prompt_token_ids))
+        return results
+
     # ---- chat ---------------------------------------------------------------------------
 
     def render_chat(self, messages: list[Message], add_generation_prompt: bool = True,
@@ -240,3 +376,22 @@ def _progress(total: int) -> Any:
     from tqdm import tqdm
 
     return tqdm(total=total, desc="Processed prompts", unit="prompt")
+
+
+def score_pairs(data_1: str | Sequence[str], data_2: str | Sequence[str]
+                ) -> list[tuple[str, str]]:
+    """vLLM's pairing of score inputs: one text against each of a list, or two lists of
+    the same length pairwise."""
+    first = [data_1] if isinstance(data_1, str) else list(data_1)
+    second = [data_2] if isinstance(data_2, str) else list(data_2)
+    if not first or not second:
+        raise ValueError("score needs at least one text on each side")
+    for t in first + second:
+        if not isinstance(t, str):
+            raise ValueError(f"score inputs must be texts, got {type(t).__name__}")
+    if len(first) == 1:
+        first = first * len(second)
+    if len(first) != len(second):
+        raise ValueError(f"score takes one text against many, or two lists of the same "
+                         f"length; got {len(first)} and {len(second)} texts")
+    return list(zip(first, second))

@@ -16,7 +16,15 @@ from typing import Any
 
 from vllmpy import envs
 from vllmpy.core.sched_output import EngineCoreOutput, LogprobsLists
-from vllmpy.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput, SampleLogprobs
+from vllmpy.outputs import (
+    CompletionOutput,
+    Logprob,
+    PoolingOutput,
+    PoolingRequestOutput,
+    PromptLogprobs,
+    RequestOutput,
+    SampleLogprobs,
+)
 from vllmpy.sampling_params import RequestOutputKind, SamplingParams
 from vllmpy.tokenizer.detokenizer import IncrementalDetokenizer
 
@@ -49,6 +57,8 @@ class _ParentState:
     prompt_logprobs: PromptLogprobs | None = None
     prompt_logprobs_sent: bool = False  # handed out already (DELTA sends them once)
     faulty: bool = False  # its prompt holds VT_TEST_FAULT_PROMPT: processing it raises
+    pooling: bool = False  # a pooling request: one output, its pooled data
+    pooled: Any = None  # that data (a float32 tensor) once it came
 
     @property
     def finished(self) -> bool:
@@ -70,8 +80,9 @@ class OutputProcessor:
         self._fault_prompt = envs.VT_TEST_FAULT_PROMPT
 
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-                    child_params: list[SamplingParams]) -> list[str]:
-        """Register a prompt and its n child requests; returns the child ids."""
+                    child_params: list[SamplingParams], pooling: bool = False) -> list[str]:
+        """Register a prompt and its n child requests (one for a ``pooling`` request);
+        returns the child ids."""
         n = len(child_params)
         children: dict[str, _ChildState] = {}
         for i, params in enumerate(child_params):
@@ -85,7 +96,7 @@ class OutputProcessor:
                 children[child_id].logprobs, children[child_id].cumulative_logprob = [], 0.0
             self.child_to_parent[child_id] = request_id
         parent = _ParentState(request_id, prompt, prompt_token_ids,
-                              child_params[0].output_kind, children)
+                              child_params[0].output_kind, children, pooling=pooling)
         if self._fault_prompt is not None:
             text = prompt
             if text is None and self.tokenizer is not None:
@@ -149,6 +160,12 @@ class OutputProcessor:
         if parent.faulty:
             raise RuntimeError("fault injected by VT_TEST_FAULT_PROMPT")
         parent.num_cached_tokens = max(parent.num_cached_tokens, out.num_cached_tokens)
+        if out.pooled_data is not None:
+            import numpy as np
+            import torch
+
+            values = np.frombuffer(out.pooled_data, dtype="<f4").reshape(out.pooled_shape)
+            parent.pooled = torch.from_numpy(values.copy())
         if out.new_prompt_logprobs is not None:
             self._add_prompt_logprobs(parent, child, out.new_prompt_logprobs)
         if not out.new_token_ids and not out.finished:
@@ -299,7 +316,16 @@ class OutputProcessor:
             return child.text
         return child.text[:max(child.sent_text_len, len(child.text) - hold)]
 
-    def _make_output(self, parent: _ParentState) -> RequestOutput | None:
+    def _make_output(self, parent: _ParentState) -> Any:
+        if parent.pooling:
+            child = next(iter(parent.children.values()))
+            if child.finish_reason is None:
+                return None
+            if child.finish_reason != "stop" or parent.pooled is None:  # aborted / failed
+                return PoolingRequestOutput(parent.request_id, PoolingOutput(None),
+                                            parent.prompt_token_ids, True, parent.prompt)
+            return PoolingRequestOutput(parent.request_id, PoolingOutput(parent.pooled),
+                                        parent.prompt_token_ids, True, parent.prompt)
         kind = parent.kind
         if kind == RequestOutputKind.FINAL_ONLY and not parent.finished:
             return None

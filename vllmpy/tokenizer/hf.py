@@ -39,6 +39,11 @@ def load_hf_tokenizer(model_dir: str | Path, tokenizer_config_path: str | Path |
         backend = BackendTokenizer.from_file(str(tokenizer_json))
     except Exception as e:  # the tokenizers library raises plain Exception on bad files
         raise ValueError(f"cannot read {tokenizer_json}: {e}") from None
+    # A tokenizer.json may carry the truncation and padding its exporter used (sentence-
+    # transformers' pad every input to 128): transformers' fast tokenizers turn them off
+    # and truncate or pad only when asked, and so does the engine.
+    backend.no_truncation()
+    backend.no_padding()
 
     if tokenizer_config_path is not None:
         config_path = Path(tokenizer_config_path)

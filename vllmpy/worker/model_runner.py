@@ -57,6 +57,7 @@ class CachedRequestState:
     block_ids: list[int]
     num_computed_tokens: int
     eos_token_ids: set[int] = field(default_factory=set)
+    pooling_params: Any = None  # a pooling request's PoolingParams
 
     @property
     def num_tokens(self) -> int:
@@ -106,6 +107,8 @@ class ModelRunner(StartupMixin):
         # Speculative decoding: the proposer of each step's drafts (set by load_model)
         self.proposer: Proposer | None = None
         self._told_no_drafts = False
+        # A pooling runner: each step's requests are pooled, none samples (set by load_model)
+        self.pooler: Any = None
 
     # ---- start-up -------------------------------------------------------------------
 
@@ -116,6 +119,11 @@ class ModelRunner(StartupMixin):
         mc = self.config.model
         self.model = self.build_model(source, mc.text_config, mc.quantization, stats)
         self._load_stats = stats
+        if mc.runner == "pooling":
+            from vllmpy.pooling.pooler import Pooler
+
+            self.pooler = Pooler(self.model, mc.pooling, self.device, mc.dtype,
+                                 mc.text_config.hidden_size)
         if self.config.speculative is not None:
             self.proposer = make_proposer(self.config.speculative, self)
         if self._compiler is not None:
@@ -196,7 +204,8 @@ class ModelRunner(StartupMixin):
         from vllmpy.layers.attention import report_kv_scales
 
         report_kv_scales(layers, cache.kv_cache_dtype)  # fp8 without checkpoint scales
-        if self.device.type == "cuda" and not self.config.enforce_eager:
+        if (self.device.type == "cuda" and not self.config.enforce_eager
+                and self.pooler is None):  # pooling steps are whole prompts: eager
             self._capture_graphs()
         from vllmpy.layers.moe import reset_moe_stats
 
@@ -279,6 +288,7 @@ class ModelRunner(StartupMixin):
             block_ids=list(new.block_ids),
             num_computed_tokens=new.num_computed_tokens,
             eos_token_ids=self.eos_token_ids,
+            pooling_params=new.pooling_params,
         )
 
     def _generator(self, state: CachedRequestState, ahead: int = 0) -> torch.Generator | None:
@@ -392,6 +402,8 @@ class ModelRunner(StartupMixin):
         logits_idx = (bufs.tensors.logits_indices[:sampled_rows]
                       if graph_logits is None and sampled_rows < num_tokens else None)
         self._staged = copied
+        if self.pooler is not None:
+            return self._pool(req_ids, step, hidden)
         if self.proposer is not None:
             self.proposer.observe(req_ids, step, hidden)
         prompt_logprobs = self._prompt_logprobs(req_ids, out, step, hidden)
@@ -470,6 +482,19 @@ class ModelRunner(StartupMixin):
         return StepHandle(self, req_ids, step.sample_rows, states, host_ids, lp,
                           prompt_logprobs, ready, spec_width=packed.shape[1],
                           num_drafts=step.num_drafts)
+
+    def _pool(self, req_ids: list[str], step: StepInputs, hidden: torch.Tensor
+              ) -> StepHandle:
+        """A pooling step: every request's whole prompt was computed; pool each one."""
+        starts = step.query_start_loc[:-1].tolist()
+        lengths = np.diff(step.query_start_loc).tolist()
+        states = [self.requests[r] for r in req_ids]
+        pooled = self.pooler(hidden, starts, lengths,
+                             [np.asarray(s.prompt_token_ids) for s in states],
+                             [s.pooling_params for s in states])
+        self._last_sampled = None
+        return StepHandle(self, req_ids, [], [], None, None, {}, None,
+                          pooled=dict(zip(req_ids, pooled)))
 
     def _propose(self, handle: StepHandle) -> list[list[int]]:
         """Drafts for the next step of each request that sampled in ``handle``'s step (an
@@ -552,6 +577,9 @@ class ModelRunner(StartupMixin):
     def _finish_step(self, handle: StepHandle) -> ModelRunnerOutput:
         """Read a launched step's sampled ids back and record them (StepHandle.result)."""
         req_ids = handle.req_ids
+        if handle.pooled is not None:
+            return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=[[] for _ in req_ids],
+                                     pooled=handle.pooled)
         sampled: list[list[int]] = [[] for _ in req_ids]
         logprobs: list[LogprobsLists | None] = []
         if handle.host_ids is not None:
@@ -601,6 +629,7 @@ class StepHandle:
     # then its tokens padded to this width - 1; 0 for a step of one token each.
     spec_width: int = 0
     num_drafts: list[int] | None = None  # per sampling request, in a step with drafts
+    pooled: dict[str, np.ndarray] | None = None  # a pooling step's outputs, by request
     _output: ModelRunnerOutput | None = None
 
     def result(self) -> ModelRunnerOutput:
