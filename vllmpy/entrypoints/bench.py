@@ -281,6 +281,8 @@ def run_offline(args: argparse.Namespace) -> tuple[dict[str, Any], list[RequestR
     if tokenizer is not None:
         vocab = min(vocab, tokenizer.vocab_size)
     requests = build_requests(args, vocab, forbidden, tokenizer, as_text=not pretokenize)
+    if cfg.model.runner == "pooling":
+        return run_offline_embed(args, llm, requests, vocab, forbidden, tokenizer)
     check_lengths(requests, tokenizer, cfg.model.max_model_len)
     header = engine_header(llm, "offline pretokenized" if pretokenize
                            else "offline timed-strings")
@@ -309,6 +311,32 @@ def run_offline(args: argparse.Namespace) -> tuple[dict[str, Any], list[RequestR
              "accepted": before.num_accepted_tokens},
             {"drafts": after.num_drafts, "draft_tokens": after.num_draft_tokens,
              "accepted": after.num_accepted_tokens})
+    return header, results, duration
+
+
+def run_offline_embed(args: argparse.Namespace, llm: Any, requests: list[BenchRequest],
+                      vocab: int, forbidden: set[int], tokenizer: Any | None
+                      ) -> tuple[dict[str, Any], list[RequestResult], float]:
+    """A pooling model: every prompt embedded (``--output-len`` does not apply); each
+    result is one prompt, its output one vector."""
+    for r in requests:
+        if r.prompt_len > llm.config.model.max_model_len:
+            raise UsageError(f"--input-len {r.prompt_len} exceeds the model's maximum input "
+                             f"length of {llm.config.model.max_model_len} tokens")
+    header = engine_header(llm, "offline embeddings")
+    if args.warmup:
+        warm = warmup_requests(args, requests, vocab, forbidden, tokenizer, as_text=False)
+        llm.embed([r.prompt for r in warm], use_tqdm=False)
+    print(f"{PROG}: embedding {len(requests)} prompts", file=sys.stderr)
+    start = time.perf_counter()
+    outs = llm.embed([r.prompt for r in requests], use_tqdm=False)
+    duration = time.perf_counter() - start
+    results = [RequestResult(success=True, prompt_len=len(o.prompt_token_ids),
+                             ttft=duration, e2e=duration) for o in outs]
+    header["embeddings"] = {"sentences_per_s": len(outs) / duration,
+                            "input_tokens_per_s": sum(len(o.prompt_token_ids) for o in outs)
+                            / duration,
+                            "dimensions": len(outs[0].outputs.embedding) if outs else 0}
     return header, results, duration
 
 
@@ -611,6 +639,12 @@ def format_report(header: dict[str, Any], summary: dict[str, Any]) -> str:
         for stat, name in (("mean", "Mean"), ("median", "Median"), ("p90", "P90"),
                            ("p99", "P99")):
             lines.append(_line(f"{name} {short} (ms):", summary[f"{stat}_{key}_ms"]))
+    embed = header.get("embeddings")
+    if embed is not None:
+        lines += [f"{'Embeddings':-^50}",
+                  _line("Embedding throughput (sentences/s):", embed["sentences_per_s"]),
+                  _line("Input token throughput (tok/s):", embed["input_tokens_per_s"]),
+                  _line("Embedding dimensions:", embed["dimensions"])]
     spec = header.get("spec_decode")
     if spec is not None:
         lines += [f"{'Speculative Decoding':-^50}",
