@@ -62,6 +62,9 @@ _MODELS: dict[str, ModelEntry] = {
     "Gemma3ForConditionalGeneration": ModelEntry("gemma3", "Gemma3Config",
                                                  "Gemma3ForCausalLM"),
     "Gemma4ForCausalLM": ModelEntry("gemma4", "Gemma4Config", "Gemma4ForCausalLM"),
+    # EmbeddingGemma: Gemma 3 with bidirectional attention, an encoder for pooling
+    "Gemma3TextModel": ModelEntry("gemma3_embedding", "Gemma3EncoderConfig",
+                                  "Gemma3TextEncoder"),
     "Phi3ForCausalLM": ModelEntry("phi3", "Phi3Config", "Phi3ForCausalLM", gguf="phi3"),
     "Olmo2ForCausalLM": ModelEntry("olmo2", "Olmo2Config", "Olmo2ForCausalLM", gguf="olmo2"),
     "Olmo3ForCausalLM": ModelEntry("olmo3", "Olmo3Config", "Olmo2ForCausalLM"),
