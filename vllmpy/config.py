@@ -156,6 +156,8 @@ class EngineArgs:
     # pooling runner over a generative checkpoint: embed (last-token vectors) | auto | none
     convert: str = "auto"
     pooler_config: str | dict[str, Any] | None = None  # vLLM's PoolerConfig JSON
+    # keys merged into the checkpoint's config.json before it is read (vLLM's JSON)
+    hf_overrides: str | dict[str, Any] | None = None
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -235,6 +237,12 @@ class EngineArgs:
                             "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4}' or "
                             "'{\"method\": \"draft_model\", \"model\": \"draft.gguf\", "
                             "\"num_speculative_tokens\": 4}'")
+        g.add_argument("--hf-overrides", default=None,
+                       help="JSON merged into the checkpoint's config.json before it is "
+                            "read, e.g. '{\"architectures\": "
+                            "[\"Qwen3ForSequenceClassification\"], "
+                            "\"classifier_from_token\": [\"no\", \"yes\"], "
+                            "\"is_original_qwen3_reranker\": true}'")
         g.add_argument("--runner", default="auto", choices=RUNNERS,
                        help="generate (sampling) or pooling (embeddings, classification, "
                             "scores); auto: pooling for encoder-only models (BERT and kin)")

@@ -211,12 +211,51 @@ def model_source(args: EngineArgs) -> ModelSource:
     check_startup_flags(args, resolve_device(args.device))
     source = resolve_model_source(args.model, load_format=args.load_format,
                                   revision=args.revision, download_dir=args.download_dir)
+    if args.hf_overrides is not None:
+        source = _apply_hf_overrides(source, args)
     if args.chat_template is not None:
         from vllmpy.tokenizer.chat_template import load_chat_template_arg
 
         source = dataclasses.replace(source,
                                      chat_template=load_chat_template_arg(args.chat_template))
     return source
+
+
+def _apply_hf_overrides(source: ModelSource, args: EngineArgs) -> ModelSource:
+    """--hf-overrides merged into the checkpoint's config; ``classifier_from_token`` (a
+    classification head made of LM-head rows) gets its tokens' ids from the tokenizer."""
+    import json
+
+    value = args.hf_overrides
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"--hf-overrides: not valid JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise ConfigError(f"--hf-overrides must be a JSON object, got {type(value).__name__}")
+    cfg = {**source.hf_config, **value}
+    tokens = cfg.get("classifier_from_token")
+    if tokens is not None:
+        from vllmpy.loader.source import load_tokenizer
+
+        if not isinstance(tokens, list) or not all(isinstance(t, str) for t in tokens):
+            raise ConfigError(f"--hf-overrides: classifier_from_token must be a list of "
+                              f"token texts, got {tokens!r}")
+        tokenizer = load_tokenizer(source, args.tokenizer_config)
+        if tokenizer is None:
+            raise ConfigError("--hf-overrides: classifier_from_token needs the model's "
+                              "tokenizer")
+        ids = []
+        for text in tokens:
+            encoded = tokenizer.encode(text, add_special_tokens=False)
+            if len(encoded) != 1:
+                raise ConfigError(f"--hf-overrides: classifier_from_token {text!r} is "
+                                  f"{len(encoded)} tokens, not one")
+            ids.append(encoded[0])
+        cfg["classifier_token_ids"] = ids
+    log(f"--hf-overrides: {', '.join(sorted(value))} set")
+    return dataclasses.replace(source, hf_config=cfg)
 
 
 def build_engine_config(args: EngineArgs, source: ModelSource | None = None) -> EngineConfig:
@@ -312,23 +351,24 @@ def _runner(args: EngineArgs, source: ModelSource, text: TextModelConfig
     from vllmpy.pooling.config import parse_pooler_config, pooling_spec
 
     arch = text.architectures[0]
+    model_cls = resolve_model_class(text.architectures)
+    classifier = callable(getattr(model_cls, "classify", None))
     runner = args.runner
     if runner == "auto":
-        runner = "pooling" if text.ENCODER_ONLY else "generate"
+        runner = "pooling" if text.ENCODER_ONLY or classifier else "generate"
     if runner == "generate":
-        if text.ENCODER_ONLY:
-            raise ConfigError(f"{arch} is an encoder-only model: it embeds, classifies or "
+        if text.ENCODER_ONLY or classifier:
+            raise ConfigError(f"{arch} is a pooling model: it embeds, classifies or "
                               f"scores, and generates no text (serve it with --runner "
                               f"pooling, or leave --runner at auto)")
         if args.pooler_config is not None:
             raise ConfigError("--pooler-config applies to a pooling model (--runner pooling)")
         return runner, None
     overrides = parse_pooler_config(args.pooler_config)
-    if text.ENCODER_ONLY:
+    if text.ENCODER_ONLY or classifier:
         if args.convert not in ("auto", "none"):
             raise ConfigError(f"--convert {args.convert}: {arch} is a pooling model already")
-        default = getattr(resolve_model_class(text.architectures), "default_pooling_type",
-                          "CLS")
+        default = getattr(model_cls, "default_pooling_type", "CLS")
     else:
         if args.convert == "none":
             raise ConfigError(f"--runner pooling over the generative {arch} needs "
