@@ -62,6 +62,13 @@ _MODELS: dict[str, ModelEntry] = {
     "Gemma3ForConditionalGeneration": ModelEntry("gemma3", "Gemma3Config",
                                                  "Gemma3ForCausalLM"),
     "Gemma4ForCausalLM": ModelEntry("gemma4", "Gemma4Config", "Gemma4ForCausalLM"),
+    # decoders with a classification head on the last token (rerankers, classifiers)
+    "Qwen3ForSequenceClassification": ModelEntry("seq_cls", "Qwen3SeqClsConfig",
+                                                 "Qwen3ForSequenceClassification"),
+    "Qwen2ForSequenceClassification": ModelEntry("seq_cls", "Qwen2SeqClsConfig",
+                                                 "LlamaForSequenceClassification"),
+    "LlamaForSequenceClassification": ModelEntry("seq_cls", "LlamaSeqClsConfig",
+                                                 "LlamaForSequenceClassification"),
     # EmbeddingGemma: Gemma 3 with bidirectional attention, an encoder for pooling
     "Gemma3TextModel": ModelEntry("gemma3_embedding", "Gemma3EncoderConfig",
                                   "Gemma3TextEncoder"),
@@ -72,6 +79,21 @@ _MODELS: dict[str, ModelEntry] = {
     "GraniteForCausalLM": ModelEntry("granite", "GraniteConfig", "GraniteForCausalLM"),
     "SmolLM3ForCausalLM": ModelEntry("smollm3", "SmolLM3Config", "SmolLM3ForCausalLM"),
     "InternLM3ForCausalLM": ModelEntry("internlm3", "InternLM3Config", "LlamaForCausalLM"),
+    # encoder-only models: the pooling runner (embeddings, classification, scores)
+    "BertModel": ModelEntry("bert", "BertConfig", "BertModel"),
+    "BertForMaskedLM": ModelEntry("bert", "BertConfig", "BertModel"),
+    "BertForSequenceClassification": ModelEntry("bert", "BertConfig",
+                                                "BertForSequenceClassification"),
+    "RobertaModel": ModelEntry("bert", "BertConfig", "BertModel"),
+    "XLMRobertaModel": ModelEntry("bert", "BertConfig", "BertModel"),
+    "RobertaForSequenceClassification": ModelEntry("bert", "BertConfig",
+                                                   "RobertaForSequenceClassification"),
+    "XLMRobertaForSequenceClassification": ModelEntry("bert", "BertConfig",
+                                                      "RobertaForSequenceClassification"),
+    "MPNetModel": ModelEntry("mpnet", "MPNetConfig", "MPNetModel"),
+    "MPNetForMaskedLM": ModelEntry("mpnet", "MPNetConfig", "MPNetModel"),
+    "NomicBertModel": ModelEntry("nomic_bert", "NomicBertConfig", "NomicBertModel",
+                                 gguf="nomic-bert"),
 }
 
 
