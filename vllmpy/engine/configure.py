@@ -369,13 +369,17 @@ def _runner(args: EngineArgs, source: ModelSource, text: TextModelConfig
         if args.convert not in ("auto", "none"):
             raise ConfigError(f"--convert {args.convert}: {arch} is a pooling model already")
         default = getattr(model_cls, "default_pooling_type", "CLS")
+        gguf_pooling = source.hf_config.get("gguf_pooling_type")
     else:
         if args.convert == "none":
             raise ConfigError(f"--runner pooling over the generative {arch} needs "
                               f"--convert embed (its last token's state as the embedding)")
         default = "LAST"  # vLLM's for a converted decoder (Qwen3-Embedding)
+        gguf_pooling = None
     model_dir = source.path if source.kind == "hf_dir" else None
-    spec = pooling_spec(model_dir, default, True, overrides)
+    spec = pooling_spec(model_dir, gguf_pooling or default, True, overrides)
+    if gguf_pooling and "pooling_type" not in overrides:
+        spec = dataclasses.replace(spec, source="the GGUF's pooling_type")
     log(f"pooling model: {arch}, {spec.pooling_type} pooling ({spec.source})"
         f"{', normalized' if spec.normalize else ''}"
         f"{f', {len(spec.dense)} Dense layers' if spec.dense else ''}")

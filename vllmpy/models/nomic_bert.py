@@ -208,7 +208,10 @@ def _gguf_config(f: GGUFMetadata, common: dict[str, Any]) -> dict[str, Any]:
             "type_vocab_size": int(types), "activation_function": "swiglu",
             "qkv_proj_bias": "blk.0.attn_qkv.bias" in names,
             "mlp_fc1_bias": "blk.0.ffn_up.bias" in names,
-            "mlp_fc2_bias": "blk.0.ffn_down.bias" in names}
+            "mlp_fc2_bias": "blk.0.ffn_down.bias" in names,
+            # llama.cpp's pooling (1 mean, 2 CLS, 3 last): the pooling runner's default
+            "gguf_pooling_type": {1: "MEAN", 2: "CLS", 3: "LAST"}.get(
+                int(f.metadata(f"{arch}.pooling_type", 0)))}
 
 
 # llama.cpp's "nomic-bert": fused attn_qkv, token types, post-LN, SwiGLU (ffn_up = fc11)

@@ -62,7 +62,7 @@ _CONTROL = 3
 _USER_DEFINED = 4
 
 SUPPORTED_PRE = tuple(SPLIT_RULES)
-SUPPORTED_MODELS = ("gpt2", "llama")
+SUPPORTED_MODELS = ("gpt2", "llama", "bert")
 
 
 def read_tokenizer_metadata(reader: GGUFReader | GGUFFile) -> dict[str, Any]:
@@ -101,6 +101,8 @@ def tokenizer_from_metadata(meta: dict[str, Any], where: str = "GGUF file") -> T
     if token_types is not None and len(token_types) != len(tokens):
         raise ValueError(f"{where}: tokenizer.ggml.token_type has {len(token_types)} entries "
                          f"for {len(tokens)} tokens")
+    if model == "bert":
+        return _wordpiece_tokenizer(meta, tokens, token_types or [1] * len(tokens), where)
     if model == "llama":
         # llama.cpp's defaults for a SentencePiece vocabulary: BOS 1, EOS 2, unknown 0, and
         # BOS added.
@@ -124,6 +126,45 @@ def tokenizer_from_metadata(meta: dict[str, Any], where: str = "GGUF file") -> T
     )
     return Tokenizer(backend, bos_token_id=bos_id, eos_token_id=eos_id,
                      chat_template=meta.get("tokenizer.chat_template"))
+
+
+def _wordpiece_tokenizer(meta: dict[str, Any], tokens: list[str], token_types: list[int],
+                         where: str) -> Tokenizer:
+    """A BERT WordPiece vocabulary (llama.cpp's ``bert`` model, as converted from an
+    uncased BERT tokenizer): a word-initial piece is stored with a leading "▁", a
+    continuation without it (``##`` in the original); control tokens ([CLS], [SEP], ...)
+    as they are. Rebuilt as the original: lowercasing BERT normalizer, BERT
+    pre-tokenizer, WordPiece, and [CLS] text [SEP] (pairs: [CLS] a [SEP] b [SEP])."""
+    from tokenizers import normalizers, pre_tokenizers, processors
+    from tokenizers.models import WordPiece
+
+    vocab: dict[str, int] = {}
+    for i, (tok, kind) in enumerate(zip(tokens, token_types)):
+        if kind == _CONTROL:
+            spelled = tok
+        elif tok.startswith("\u2581"):
+            spelled = tok[1:] or tok
+        else:
+            spelled = "##" + tok
+        vocab.setdefault(spelled, i)
+    unk_id = _token_id(meta, "unknown", len(tokens), where, default=100)
+    cls_id = _token_id(meta, "bos", len(tokens), where, default=101)
+    sep_id = _token_id(meta, "seperator", len(tokens), where,
+                       default=_token_id(meta, "eos", len(tokens), where, default=102))
+    if unk_id is None or cls_id is None or sep_id is None:
+        raise ValueError(f"{where}: a bert vocabulary needs its [UNK], [CLS] and [SEP] ids")
+    backend = BackendTokenizer(WordPiece(vocab, unk_token=tokens[unk_id],
+                                         continuing_subword_prefix="##"))
+    backend.normalizer = normalizers.BertNormalizer(lowercase=True)
+    backend.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    backend.decoder = decoders.WordPiece(prefix="##")
+    cls, sep = tokens[cls_id], tokens[sep_id]
+    backend.post_processor = processors.TemplateProcessing(
+        single=f"{cls} $A {sep}", pair=f"{cls} $A {sep} $B:1 {sep}:1",
+        special_tokens=[(cls, cls_id), (sep, sep_id)])
+    backend.add_special_tokens([AddedToken(tok, normalized=False, special=True)
+                                for tok, kind in zip(tokens, token_types) if kind == _CONTROL])
+    return Tokenizer(backend, bos_token_id=cls_id, eos_token_id=sep_id, chat_template=None)
 
 
 def _byte_level_backend(meta: dict[str, Any], tokens: list[str], token_types: list[int],
