@@ -164,9 +164,9 @@ def main(argv: list[str] | None = None) -> int:
         result["min_cosine"] = float(cos.min())
         best = max(st_rates.values())
         result["ratio"] = result["vllmpy_per_s"] / best
-        for name, rate in st_rates.items():
-            print(f"| sentence-transformers ({name}, batch {args.st_batch}) | {rate:.1f} | "
-                  f"{rate / best:.2f}x | {rate / result['limit_per_s']:.0%} |")
+        for name, per_s in st_rates.items():
+            print(f"| sentence-transformers ({name}, batch {args.st_batch}) | {per_s:.1f} | "
+                  f"{per_s / best:.2f}x | {per_s / result['limit_per_s']:.0%} |")
         print(f"| vllmpy ({args.dtype}) | {result['vllmpy_per_s']:.1f} | "
               f"{result['ratio']:.2f}x | {result['vllmpy_per_s'] / result['limit_per_s']:.0%} |")
         print(f"lowest cosine against sentence-transformers ({next(iter(st_rates))}) over 64 "

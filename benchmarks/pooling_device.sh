@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# One device call for the pooling path: real MiniLM weights (rounded to bf16, carried in
+# .devcache/minilm-bf16) in bf16 on the GPU against sentence-transformers in fp32 on the
+# same files, then the BERT-base-shaped speed row; logs under $OUT, the tables last.
+#   OUT=/tmp/out bash benchmarks/pooling_device.sh
+set -u
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/pooling_device}
+mkdir -p "$OUT"
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+if [ -d .devcache/minilm-bf16 ]; then
+  timeout 240 python3 benchmarks/embed_bench.py --model .devcache/minilm-bf16 --device cuda \
+      --dtype bfloat16 --st-dtypes float32 --num 2000 --out "$OUT/minilm.json" \
+      > "$OUT/minilm.log" 2>&1
+  echo "minilm rc=$?"; sed -n '/^| engine/,$p' "$OUT/minilm.log"
+fi
+timeout 300 python3 benchmarks/embed_bench.py --model bert-base \
+    --tokenizer-dir .devcache/minilm-tok --device cuda --dtype bfloat16 \
+    --st-dtypes float32,bfloat16 --num 10000 --out "$OUT/bert_base.json" \
+    > "$OUT/bert_base.log" 2>&1
+echo "bert-base rc=$?"; sed -n '/^| engine/,$p' "$OUT/bert_base.log"
