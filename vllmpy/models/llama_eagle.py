@@ -20,6 +20,7 @@ uses the target's (``share``).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -81,7 +82,7 @@ class EagleConfig(LlamaConfig):
         if ids is not None and use_aux and len(ids) != 3:
             raise ConfigError(f"{architecture} config 'eagle_aux_hidden_state_layer_ids' "
                               f"names {len(ids)} layers; an EAGLE-3 head reads 3")
-        return cls(**{f: getattr(base, f) for f in base.__dataclass_fields__},
+        return cls(**{f.name: getattr(base, f.name) for f in dataclasses.fields(base)},
                    eagle3=eagle3,
                    draft_vocab_size=r.get("draft_vocab_size", base.vocab_size, int),
                    target_hidden_size=r.get("target_hidden_size", base.hidden_size, int),

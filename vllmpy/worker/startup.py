@@ -101,20 +101,10 @@ class StartupMixin:
                 self._bind_kv_caches(self._scratch_caches(tokens))
                 # what profile_kv_budget and capture run, through the first two layers
                 with _first_layers(self.model, 2), record_variants() as variants:
-                    logits = self._profile_forward(self._fresh_seq_lens(tokens),
-                                                   min(sched.max_num_seqs, tokens))
-                    # greedy sampling's argmax, on the head's logits and on float32 ones
-                    greedy_ids(logits)
-                    greedy_ids(logits.float())
-                    del logits
-                    if not self.config.enforce_eager:
-                        self._profile_forward([1] * sched.max_num_seqs, sched.max_num_seqs)
-                        mixed = mixed_capture_sizes(tokens)
-                        if mixed:
-                            self._profile_forward(self._fresh_seq_lens(mixed[-1]), 1)
-                        StepGraphs(self.model, self.buffers,  # type: ignore[arg-type]
-                                   sched.max_num_seqs, self.config.model.max_model_len,
-                                   sched.max_num_batched_tokens).warm_up()
+                    if self.pooler is not None:  # a pooling step: the forward, no logits
+                        self._profile_forward(self._fresh_seq_lens(tokens), 0)
+                    else:
+                        self._record_generate_steps(tokens)
                 for layer in self._attention_layers():
                     layer.kv_cache = None
                 report = compiler.compile(variants)
@@ -132,6 +122,24 @@ class StartupMixin:
         if report.failed:
             log(f"Triton kernels: the rest compile at their first launch; "
                 f"{'; '.join(report.failed[:3])}")
+
+    def _record_generate_steps(self, tokens: int) -> None:
+        """The forwards (and argmaxes) a generating engine's start-up runs."""
+        sched = self.config.scheduler
+        logits = self._profile_forward(self._fresh_seq_lens(tokens),
+                                       min(sched.max_num_seqs, tokens))
+        # greedy sampling's argmax, on the head's logits and on float32 ones
+        greedy_ids(logits)
+        greedy_ids(logits.float())
+        del logits
+        if not self.config.enforce_eager:
+            self._profile_forward([1] * sched.max_num_seqs, sched.max_num_seqs)
+            mixed = mixed_capture_sizes(tokens)
+            if mixed:
+                self._profile_forward(self._fresh_seq_lens(mixed[-1]), 1)
+            StepGraphs(self.model, self.buffers,  # type: ignore[arg-type]
+                       sched.max_num_seqs, self.config.model.max_model_len,
+                       sched.max_num_batched_tokens).warm_up()
 
     def _scratch_caches(self, tokens: int) -> list[torch.Tensor]:
         """Small KV caches for start-up forwards of up to ``tokens`` tokens (only padding
@@ -197,7 +205,8 @@ class StartupMixin:
 
     def _profile_forward(self, seq_lens: list[int], rows: int) -> torch.Tensor:
         """One forward of fresh sequences of ``seq_lens`` tokens against the bound scratch
-        caches; returns the logits of the last ``rows`` tokens."""
+        caches; returns the logits of the last ``rows`` tokens (the hidden states for
+        ``rows`` 0)."""
         assert self.model is not None
         n, total = len(seq_lens), sum(seq_lens)
         dev = self.device
@@ -220,7 +229,7 @@ class StartupMixin:
         ids = torch.zeros(total, dtype=torch.int64, device=dev)
         pos = torch.cat([torch.arange(length, device=dev) for length in seq_lens])
         hidden = self.model(ids, pos, meta)
-        return self.model.compute_logits(hidden[-rows:])
+        return hidden if rows == 0 else self.model.compute_logits(hidden[-rows:])
 
     def _profile_step(self, seq_lens: list[int], sample: int) -> None:
         """``_profile_forward``, then a random-sampling pass over ``sample`` rows."""
