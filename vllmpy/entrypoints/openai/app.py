@@ -34,14 +34,20 @@ from vllmpy.entrypoints.openai.multimodal_limits import request_limits
 from vllmpy.entrypoints.openai.openapi import document
 from vllmpy.entrypoints.openai.protocol import (
     ChatCompletionRequest,
+    ClassificationRequest,
     CompletionRequest,
     DetokenizeRequest,
+    EmbeddingRequest,
     ModelCard,
     ModelList,
+    PoolingRequest,
+    RerankRequest,
+    ScoreRequest,
     TokenizeChatRequest,
     TokenizeCompletionRequest,
 )
 from vllmpy.entrypoints.openai.serving_chat import ChatHandler
+from vllmpy.entrypoints.openai.serving_classify import ClassifyHandler
 from vllmpy.entrypoints.openai.serving_common import (
     ClientDisconnected,
     ServerContext,
@@ -51,7 +57,11 @@ from vllmpy.entrypoints.openai.serving_common import (
     with_keepalive,
 )
 from vllmpy.entrypoints.openai.serving_completion import CompletionHandler
+from vllmpy.entrypoints.openai.serving_embedding import EmbeddingHandler
+from vllmpy.entrypoints.openai.serving_pooling import PoolingHandler, check_task
+from vllmpy.entrypoints.openai.serving_score import ScoreHandler
 from vllmpy.entrypoints.openai.serving_tokenization import TokenizationHandler
+from vllmpy.pooling import model_tasks
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
@@ -133,6 +143,9 @@ def build_app(engine: AsyncLLM, args: argparse.Namespace, served_model_name: str
     )
     completions, chat = CompletionHandler(ctx), ChatHandler(ctx)
     tokenization = TokenizationHandler(ctx)
+    embeddings, pooling = EmbeddingHandler(ctx), PoolingHandler(ctx)
+    classify, scores = ClassifyHandler(ctx), ScoreHandler(ctx)
+    tasks = list(model_tasks(engine.model_config))
     metrics = None
     if args.enable_metrics:
         from vllmpy.metrics.prometheus import PrometheusStatLogger
@@ -182,13 +195,18 @@ def build_app(engine: AsyncLLM, args: argparse.Namespace, served_model_name: str
         error = as_openai_error(e)
         return _error(error.status_code, error.message, error.param)
 
+    async def answer(raw: Request, work) -> Response:
+        """The JSON body ``work`` makes; a client gone first cancels it (499)."""
+        try:
+            body = await until_disconnected(raw, work)
+        except ClientDisconnected:
+            return Response(status_code=499)
+        return JSONResponse(body)
+
     async def run_or_stream(raw: Request, handler, req) -> Response:
+        check_task(ctx, "generate")  # a pooling model's 400 names its tasks
         if not req.stream:
-            try:
-                body = await until_disconnected(raw, handler.full(req))
-            except ClientDisconnected:
-                return Response(status_code=499)
-            return JSONResponse(body)
+            return await answer(raw, handler.full(req))
         prepared = handler.prepare(req, stream=True)
         frames = handler.stream(req, *prepared)
         return StreamingResponse(with_keepalive(frames), media_type="text/event-stream",
@@ -204,10 +222,34 @@ def build_app(engine: AsyncLLM, args: argparse.Namespace, served_model_name: str
             req = await parse_body(raw, ChatCompletionRequest)
         return await run_or_stream(raw, chat, req)
 
+    @app.post("/v1/embeddings")
+    async def create_embedding(raw: Request) -> Response:
+        return await answer(raw, embeddings.full(await parse_body(raw, EmbeddingRequest)))
+
+    @app.post("/pooling")
+    async def create_pooling(raw: Request) -> Response:
+        return await answer(raw, pooling.full(await parse_body(raw, PoolingRequest)))
+
+    @app.post("/classify")
+    async def create_classify(raw: Request) -> Response:
+        return await answer(raw, classify.full(await parse_body(raw, ClassificationRequest)))
+
+    @app.post("/score")
+    @app.post("/v1/score")
+    async def create_score(raw: Request) -> Response:
+        return await answer(raw, scores.score(await parse_body(raw, ScoreRequest)))
+
+    @app.post("/rerank")
+    @app.post("/v1/rerank")
+    @app.post("/v2/rerank")
+    async def do_rerank(raw: Request) -> Response:
+        return await answer(raw, scores.rerank(await parse_body(raw, RerankRequest)))
+
     @app.get("/v1/models")
     async def list_models() -> JSONResponse:
         card = ModelCard(id=served_model_name, created=int(START_TIME),
-                         root=engine.model_config.model, max_model_len=ctx.max_model_len)
+                         root=engine.model_config.model, max_model_len=ctx.max_model_len,
+                         task=tasks[0], tasks=tasks)
         return JSONResponse(ModelList(data=[card]).model_dump(mode="json"))
 
     @app.get("/health")
@@ -260,7 +302,11 @@ def build_app(engine: AsyncLLM, args: argparse.Namespace, served_model_name: str
     document(app, {"/v1/completions": [CompletionRequest],
                    "/v1/chat/completions": [ChatCompletionRequest],
                    "/tokenize": [TokenizeCompletionRequest, TokenizeChatRequest],
-                   "/detokenize": [DetokenizeRequest]})
+                   "/detokenize": [DetokenizeRequest],
+                   "/v1/embeddings": [EmbeddingRequest], "/pooling": [PoolingRequest],
+                   "/classify": [ClassificationRequest],
+                   **dict.fromkeys(("/score", "/v1/score"), [ScoreRequest]),
+                   **dict.fromkeys(("/rerank", "/v1/rerank", "/v2/rerank"), [RerankRequest])})
     return app
 
 

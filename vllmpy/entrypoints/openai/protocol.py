@@ -32,6 +32,7 @@ from pydantic import (
 
 from vllmpy.entrypoints.openai.errors import FieldError, bad_request, validation_error_to_openai
 from vllmpy.entrypoints.openai.multimodal_limits import active_limits, content_refusal
+from vllmpy.pooling.params import PoolingParams
 from vllmpy.sampling_params import RequestOutputKind, SamplingParams
 from vllmpy.structured_output import StructuredOutputsParams, validate_structured_outputs
 
@@ -447,30 +448,44 @@ class _SamplingRequest(OpenAIBaseModel):
 # ---------------------------------------------------------------------------------------
 
 
-def _check_prompt(value: Any) -> Any:
-    """str | list[str] | list[int] | list[list[int]], nothing empty, ids >= 0."""
+def _check_text_or_ids(value: Any, field: str) -> Any:
+    """str | list[str] | list[int] | list[list[int]], nothing empty, ids >= 0; ``field``
+    (prompt, input) names the body field in the refusal."""
     def is_id(t: Any) -> bool:
         return isinstance(t, int) and not isinstance(t, bool)
 
+    forms = (f"{field} must be a string, a list of strings, a list of token ids or a list "
+             f"of lists of token ids")
     if isinstance(value, str):
         return value
     if not isinstance(value, list):
-        raise ValueError("prompt must be a string, a list of strings, a list of token ids "
-                         "or a list of lists of token ids")
+        raise ValueError(forms)
     if not value:
-        raise ValueError("prompt is an empty list: give at least one prompt")
+        raise ValueError(f"{field} is an empty list: give at least one {field}")
     if all(isinstance(p, str) for p in value):
         return value
     batches = [value] if all(is_id(t) for t in value) else value
     for i, ids in enumerate(batches):
         if not isinstance(ids, list) or not all(is_id(t) for t in ids):
-            raise ValueError("prompt must be a string, a list of strings, a list of token ids "
-                             "or a list of lists of token ids, not a mix")
+            raise ValueError(f"{forms}, not a mix")
         if not ids:
-            raise ValueError(f"prompt {i} is an empty list of token ids")
+            raise ValueError(f"{field} {i} is an empty list of token ids")
         if any(t < 0 for t in ids):
-            raise ValueError("prompt token ids must be >= 0")
+            raise ValueError(f"{field} token ids must be >= 0")
     return value
+
+
+def _check_prompt(value: Any) -> Any:
+    return _check_text_or_ids(value, "prompt")
+
+
+def _as_batch(value: str | list[str] | list[int] | list[list[int]]) -> list[str | list[int]]:
+    """A checked prompt or input as a batch: one entry per prompt, text or token ids."""
+    if isinstance(value, str):
+        return [value]
+    if all(isinstance(t, int) for t in value):
+        return [cast(list[int], value)]
+    return list(cast(list[str | list[int]], value))
 
 
 class CompletionRequest(_SamplingRequest):
@@ -505,12 +520,7 @@ class CompletionRequest(_SamplingRequest):
 
     def prompts(self) -> list[str | list[int]]:
         """The prompt as a batch: one entry per prompt, text or token ids."""
-        p = self.prompt
-        if isinstance(p, str):
-            return [p]
-        if all(isinstance(t, int) for t in p):
-            return [cast(list[int], p)]
-        return list(cast(list[str | list[int]], p))
+        return _as_batch(self.prompt)
 
     def requested_max_tokens(self) -> int | None:
         """The positive limit the request sets, or None when it leaves it unset."""
@@ -912,6 +922,10 @@ class ModelCard(OpenAIBaseModel):
     root: str | None = None
     parent: str | None = None
     max_model_len: int | None = None
+    # What the engine serves (vLLM's task names): "generate", or a pooling model's, such as
+    # ["embed", "score", "encode"]; ``task`` is the first, the model's main one.
+    task: str | None = None
+    tasks: list[str] | None = None
 
 
 class ModelList(OpenAIBaseModel):
@@ -929,3 +943,224 @@ class TokenizeResponse(OpenAIBaseModel):
 class DetokenizeResponse(OpenAIBaseModel):
     prompt: str
 
+
+# ---------------------------------------------------------------------------------------
+# Pooling: /v1/embeddings, /pooling, /classify, /score and /rerank (vLLM's shapes)
+# ---------------------------------------------------------------------------------------
+
+
+PoolingInput = str | list[str] | list[int] | list[list[int]]
+
+
+class _PoolingRequest(OpenAIBaseModel):
+    """Fields every pooling body shares (vLLM's ``PoolingBasicRequestMixin``). vLLM's
+    tokenizing options are taken at the one value the engine does: a prompt past
+    ``truncate_prompt_tokens`` loses its tail, with the tokenizer's special tokens kept."""
+
+    model: str | None = None
+    user: str | None = None  # accepted, unused
+    # keep this many tokens of a longer prompt (-1: as many as the model takes) instead of
+    # refusing it
+    truncate_prompt_tokens: int | None = Field(None, ge=-1)
+    priority: int = Field(0, ge=_LONG_MIN, le=_LONG_MAX)  # as for completions
+    cache_salt: str | None = Field(None, min_length=1)
+    truncation_side: Literal["right"] | None = None
+    padding: Literal["do_not_pad"] | None = None
+    mm_processor_kwargs: None = None  # text only
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_messages(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("messages") is not None:
+            raise FieldError("messages", "messages (chat-style input) is not supported by "
+                             "the pooling endpoints: send input as text or token ids")
+        return data
+
+    def _params(self, **fields: Any) -> PoolingParams:
+        """The engine's PoolingParams; what it refuses is a 400 naming the field."""
+        try:
+            return PoolingParams(truncate_prompt_tokens=self.truncate_prompt_tokens,
+                                 **fields)
+        except ValueError as exc:
+            field = str(exc).split(" ", 1)[0]
+            raise bad_request(str(exc), field if field in PoolingParams.__dataclass_fields__
+                              else None) from None
+
+
+class PoolingInputRequest(_PoolingRequest):
+    """A pooling body over ``input``: a text, a list of texts, token ids or a list of
+    token-id lists, one engine request each."""
+
+    input: PoolingInput
+    add_special_tokens: Literal[True] = True  # the tokenizer's special tokens are added
+
+    _input = field_validator("input", mode="before")(
+        lambda value: _check_text_or_ids(value, "input"))
+
+    def inputs(self) -> list[str | list[int]]:
+        return _as_batch(self.input)
+
+
+class _EncodingFields(OpenAIBaseModel):
+    """How vectors travel: JSON floats, or base64 of their little-endian float32 bytes
+    (what the OpenAI SDK decodes)."""
+
+    encoding_format: Literal["float", "base64"] = "float"
+    embed_dtype: Literal["float32"] = "float32"
+    endianness: Literal["native", "little"] = "native"
+
+
+class EmbeddingRequest(PoolingInputRequest, _EncodingFields):
+    """Body of ``POST /v1/embeddings``. ``dimensions`` keeps the first dimensions of a
+    matryoshka model's vector; ``normalize`` (vLLM's older name) or ``use_activation``
+    (its newer one, which wins) overrides the checkpoint's normalizing."""
+
+    dimensions: int | None = None
+    normalize: bool | None = None
+    use_activation: bool | None = None
+
+    def to_pooling_params(self) -> PoolingParams:
+        normalize = self.normalize if self.use_activation is None else self.use_activation
+        return self._params(task="embed", dimensions=self.dimensions, normalize=normalize)
+
+
+class PoolingRequest(EmbeddingRequest):
+    """Body of vLLM's ``POST /pooling``: the model's raw output per input, by default
+    every token's hidden state (task "encode"); "embed" and "classify" pool as those
+    endpoints do."""
+
+    task: Literal["encode", "embed", "classify"] | None = None
+
+    def to_pooling_params(self) -> PoolingParams:
+        task = self.task or "encode"
+        if task == "embed":
+            return super().to_pooling_params()
+        if self.dimensions is not None:
+            raise bad_request(f"dimensions applies to the embed task, not {task}", "dimensions")
+        return self._params(task=task, use_activation=self.use_activation)
+
+
+class ClassificationRequest(PoolingInputRequest):
+    """Body of vLLM's ``POST /classify``: class probabilities per input (raw logits with
+    ``use_activation`` false)."""
+
+    use_activation: bool | None = None
+
+    def to_pooling_params(self) -> PoolingParams:
+        return self._params(task="classify", use_activation=self.use_activation)
+
+
+class _ScoringRequest(_PoolingRequest):
+    use_activation: bool | None = None  # a cross-encoder's sigmoid / softmax (default on)
+
+    def to_pooling_params(self) -> PoolingParams:
+        return self._params(task="score", use_activation=self.use_activation)
+
+
+class ScoreRequest(_ScoringRequest):
+    """Body of vLLM's ``POST /score``: one text against each of a list, or two lists of
+    the same length pairwise (``vllmpy.engine.llm.score_pairs``)."""
+
+    text_1: str | list[str]
+    text_2: str | list[str]
+
+
+class RerankRequest(_ScoringRequest):
+    """Body of ``POST /rerank`` (Jina's and Cohere's shape, vLLM's fields): the documents
+    ranked by relevance to the query, the best ``top_n`` (0: all) returned, with their
+    text unless ``return_documents`` is false (Cohere's field; vLLM always returns it)."""
+
+    query: str
+    documents: list[str]
+    top_n: int = 0
+    return_documents: bool = True
+
+
+class EmbeddingResponseData(OpenAIBaseModel):
+    index: int
+    object: Literal["embedding"] = "embedding"
+    embedding: list[float] | str  # str: base64 of the little-endian float32 bytes
+
+
+class EmbeddingResponse(OpenAIBaseModel):
+    id: str = Field(default_factory=lambda: random_id("embd"))
+    object: Literal["list"] = "list"
+    created: int = Field(default_factory=_now)
+    model: str
+    data: list[EmbeddingResponseData]
+    usage: UsageInfo
+
+
+class PoolingResponseData(OpenAIBaseModel):
+    index: int
+    object: Literal["pooling"] = "pooling"
+    data: list[list[float]] | list[float] | str  # [tokens, hidden] for encode; str: base64
+
+
+class PoolingResponse(OpenAIBaseModel):
+    id: str = Field(default_factory=lambda: random_id("pool"))
+    object: Literal["list"] = "list"
+    created: int = Field(default_factory=_now)
+    model: str
+    data: list[PoolingResponseData]
+    usage: UsageInfo
+
+
+class ClassificationData(OpenAIBaseModel):
+    index: int
+    label: str | None  # the config's id2label of the most likely class
+    probs: list[float]
+    num_classes: int
+
+
+class ClassificationResponse(OpenAIBaseModel):
+    id: str = Field(default_factory=lambda: random_id("classify"))
+    object: Literal["list"] = "list"
+    created: int = Field(default_factory=_now)
+    model: str
+    data: list[ClassificationData]
+    usage: UsageInfo
+
+
+class ScoreResponseData(OpenAIBaseModel):
+    index: int
+    object: Literal["score"] = "score"
+    score: float
+
+
+class ScoreResponse(OpenAIBaseModel):
+    id: str = Field(default_factory=lambda: random_id("score"))
+    object: Literal["list"] = "list"
+    created: int = Field(default_factory=_now)
+    model: str
+    data: list[ScoreResponseData]
+    usage: UsageInfo
+
+
+class RerankDocument(OpenAIBaseModel):
+    text: str
+
+
+class RerankResult(OpenAIBaseModel):
+    """One ranked document; ``document`` is left out of the JSON with return_documents
+    false."""
+
+    index: int  # in the request's documents
+    document: RerankDocument | None = None
+    relevance_score: float
+
+    @model_serializer(mode="wrap")
+    def _serialize(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return _drop_null(handler(self), "document")
+
+
+class RerankUsage(OpenAIBaseModel):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class RerankResponse(OpenAIBaseModel):
+    id: str = Field(default_factory=lambda: random_id("rerank"))
+    model: str
+    usage: RerankUsage
+    results: list[RerankResult]
