@@ -289,6 +289,8 @@ def main(argv: list[str] | None = None) -> int:
             row = {"rate": rate, "mode": mode, "tok_s": tok_s, "speedup": tok_s / base_rate,
                    "mean_acceptance_length": mal, "draft_acceptance_rate": acc}
             rows.append(row)
+            if draft and rate == rates[-1] and args.device == "cuda" and args.out:
+                host_profile(llm, prompts[0], args, os.path.join(args.out, "profile_draft.txt"))
             print(f"  S4 rate {rate} ({mode}): {tok_s:.1f} tok/s, {tok_s / base_rate:.2f}x, "
                   f"acceptance length {mal:.2f}, draft acceptance {acc:.2f}", flush=True)
     result["S4"] = rows
