@@ -21,6 +21,9 @@ if TYPE_CHECKING:
 # a vocabulary-wide head is faster through cuBLAS than through the streaming kernel
 SKINNY_MAX_OUTPUT = 32768
 
+# CPU bfloat16 products of more rows than this run as a multiple of it and a remainder.
+CPU_BF16_ROW_BUCKET = 64
+
 
 class DenseMethod(LinearMethod):
     name = "dense"
@@ -60,4 +63,19 @@ class DenseMethod(LinearMethod):
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         if layer.streams_one_row(x):  # the layer's question, as the fused helpers ask it
             return self.skinny.skinny_gemm(x, layer.weight, layer.bias)
+        m = x.shape[0] if x.dim() == 2 else 0
+        tail = m % CPU_BF16_ROW_BUCKET
+        if (m > CPU_BF16_ROW_BUCKET and tail and x.dtype == torch.bfloat16
+                and x.device.type == "cpu"):
+            # oneDNN builds (and caches) a kernel per shape, and a build costs more than a
+            # step's product: the rows go as a multiple of the bucket and a remainder
+            # under it, so steps of any token count reuse a bounded set of kernels
+            head, w, b = m - tail, layer.weight.t(), layer.bias
+            out = x.new_empty(m, layer.weight.shape[0])
+            for rows in (slice(0, head), slice(head, m)):
+                if b is None:
+                    torch.mm(x[rows], w, out=out[rows])
+                else:
+                    torch.addmm(b, x[rows], w, out=out[rows])
+            return out
         return F.linear(x, layer.weight, layer.bias)
