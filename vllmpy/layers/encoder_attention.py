@@ -27,11 +27,17 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from vllmpy.attention.metadata import AttentionMetadata
 
 # A group's padded tokens may exceed its real tokens by this fraction.
 PAD_SLACK = 0.25
+# CUDA: SDPA's flash and memory-efficient kernels (and its math fallback). A pooling
+# step's groups come in ever new shapes, and a backend that plans per shape (cuDNN's)
+# would plan again at every step.
+_CUDA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+                  SDPBackend.MATH]
 
 
 @dataclass
@@ -145,7 +151,11 @@ def encoder_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         else:
             rows = bias.index_select(0, layout.seqs)[:, :, :n, :n]  # type: ignore[arg-type]
             mask = rows.to(q.dtype).masked_fill(~layout.key_mask, float("-inf"))
-        o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, scale=scale)
+        if q.is_cuda:  # kernels built once, not a plan per new (batch, length) shape
+            with sdpa_kernel(_CUDA_BACKENDS):
+                o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, scale=scale)
+        else:
+            o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, scale=scale)
         assert layout.rows is not None
         out.index_copy_(0, layout.rows, from_padded(o.transpose(1, 2), layout).reshape(
             -1, heads * dim))

@@ -148,6 +148,22 @@ def metric(server, name: str, label: str = "") -> float:
                if line.startswith(name + "{") and label in line)
 
 
+def test_pooling_requests_are_counted_in_metrics(embed_server):
+    def counts() -> tuple[float, float]:
+        return (metric(embed_server, "vllm:request_success_total", 'finished_reason="stop"'),
+                metric(embed_server, "vllm:prompt_tokens_total"))
+
+    done, tokens = counts()
+    texts = ["one two three", "four five"]
+    r = post(embed_server, "/v1/embeddings", {"input": texts})
+    assert r.status_code == 200
+    sent = r.json()["usage"]["prompt_tokens"]
+    deadline = time.monotonic() + 5  # the metrics are updated after the response
+    while counts() != (done + 2, tokens + sent) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert counts() == (done + 2, tokens + sent)
+
+
 def test_a_client_gone_aborts_its_inputs(embed_server):
     def aborted() -> float:
         return metric(embed_server, "vllm:request_success_total", 'finished_reason="abort"')
