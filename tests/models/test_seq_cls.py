@@ -89,3 +89,24 @@ def test_bad_overrides_are_refused(tmp):
     with pytest.raises(ConfigError, match="not valid JSON"):
         LLM(path, device="cpu", dtype="float32", num_blocks=16, hf_overrides="{x")
     shutil.rmtree(tmp / "lm")
+
+
+def test_qwen3_as_a_last_token_embedder(tmp):
+    """Qwen3-Embedding's recipe: the causal Qwen3 with --runner pooling, its last token's
+    final state, normalized."""
+    import transformers
+
+    path = qwen3_dir(tmp, "embed", QWEN3)
+    torch.manual_seed(2)
+    lm = transformers.AutoModelForCausalLM.from_config(
+        transformers.AutoConfig.from_pretrained(path)).eval()
+    lm.save_pretrained(path, safe_serialization=True)
+    llm = LLM(path, device="cpu", dtype="float32", num_blocks=16, max_model_len=128,
+              runner="pooling")
+    tok = llm.get_tokenizer()
+    for text, out in zip(TEXTS, llm.embed(TEXTS, use_tqdm=False)):
+        with torch.no_grad():
+            last = lm.model(torch.tensor([tok.encode(text)])).last_hidden_state[0, -1]
+        torch.testing.assert_close(torch.tensor(out.outputs.embedding),
+                                   torch.nn.functional.normalize(last, dim=-1),
+                                   atol=1e-5, rtol=1e-4)
