@@ -176,10 +176,11 @@ def test_a_client_gone_aborts_its_inputs(embed_server):
     with pytest.raises(httpx.TimeoutException):  # 1000 inputs take seconds, one a step
         httpx.post(f"{embed_server.url}/v1/embeddings",
                    json={"input": ["word " * 120] * 1000}, timeout=0.3)
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + 30  # a loaded machine takes a while over 1000 aborts
     while in_flight() and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert in_flight() == 0 and aborted() > before
+    # most inputs were still queued when the client left: they end aborted, not computed
+    assert in_flight() == 0 and aborted() - before >= 500
 
 
 def test_a_pooling_model_does_not_generate(embed_server):
