@@ -25,11 +25,12 @@ from torch import nn
 
 from vllmpy.attention.metadata import AttentionMetadata
 from vllmpy.config import ConfigError, TextModelConfig
-from vllmpy.layers.activation import Activation, check_activation
+from vllmpy.layers.activation import check_activation
 from vllmpy.layers.embedding import VocabEmbedding
 from vllmpy.layers.encoder_attention import encoder_attention, padded_layout
 from vllmpy.layers.linear import Linear, PackedLinear
 from vllmpy.layers.norm import LayerNorm
+from vllmpy.models.bert import BertDenseResidualNorm, BertIntermediate
 from vllmpy.models.config_reader import ConfigReader
 from vllmpy.models.weights import load_packed_weights
 
@@ -141,32 +142,13 @@ class MPNetAttention(nn.Module):
         return self.LayerNorm(out + hidden_states)
 
 
-class MPNetIntermediate(nn.Module):
-    def __init__(self, config: MPNetConfig) -> None:
-        super().__init__()
-        self.dense = Linear(config.hidden_size, config.intermediate_size, bias=True)
-        self.act = Activation(config.hidden_act)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.act(self.dense(x))
-
-
-class MPNetOutput(nn.Module):
-    def __init__(self, config: MPNetConfig) -> None:
-        super().__init__()
-        self.dense = Linear(config.intermediate_size, config.hidden_size, bias=True)
-        self.LayerNorm = LayerNorm(config.hidden_size, config.layer_norm_eps)
-
-    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        return self.LayerNorm(self.dense(x) + residual)
-
-
 class MPNetLayer(nn.Module):
     def __init__(self, config: MPNetConfig) -> None:
         super().__init__()
         self.attention = MPNetAttention(config)
-        self.intermediate = MPNetIntermediate(config)
-        self.output = MPNetOutput(config)
+        # the feed-forward half is BERT's, with the same parameter names
+        self.intermediate = BertIntermediate(config)  # type: ignore[arg-type]
+        self.output = BertDenseResidualNorm(config, config.intermediate_size)  # type: ignore[arg-type]
 
     def forward(self, hidden_states: torch.Tensor, position_bias: torch.Tensor,
                 attn_metadata: AttentionMetadata) -> torch.Tensor:
