@@ -224,10 +224,8 @@ class LLM:
 
     # ---- pooling --------------------------------------------------------------------------
 
-    def _add_pooling(self, prompt: PromptType, params: PoolingParams,
-                     pair: str | None = None) -> str:
-        request_id = str(next(self._counter))
-        processed = self.input_processor.process_pooling(request_id, prompt, params, pair)
+    def _add_pooling(self, processed: Any) -> None:
+        request_id = processed.core_requests[0].request_id
         self.output_processor.add_request(request_id, processed.prompt,
                                           processed.prompt_token_ids, processed.child_params,
                                           pooling=True)
@@ -235,15 +233,22 @@ class LLM:
             arrival_time=processed.core_requests[0].arrival_time,
             num_prompt_tokens=len(processed.prompt_token_ids))
         self.engine.add_request(processed.core_requests[0])
-        return request_id
 
     def _run_pooling(self, items: list[tuple[PromptType, PoolingParams, str | None]],
                      use_tqdm: bool) -> list[PoolingRequestOutput]:
-        """Queue every (prompt, params, pair) and run them; outputs in input order."""
+        """Queue every (prompt, params, pair) and run them; outputs in input order. Every
+        input is checked before any is queued, and they are queued shortest first, as
+        sentence-transformers batches them: a step then holds prompts of similar length
+        (one attention group, little padding)."""
+        processed = [self.input_processor.process_pooling(str(next(self._counter)), prompt,
+                                                          params, pair)
+                     for prompt, params, pair in items]
         order: dict[str, int] = {}
         try:
-            for i, (prompt, params, pair) in enumerate(items):
-                order[self._add_pooling(prompt, params, pair)] = i
+            for i in sorted(range(len(items)),
+                            key=lambda i: len(processed[i].prompt_token_ids)):
+                self._add_pooling(processed[i])
+                order[processed[i].core_requests[0].request_id] = i
         except Exception:
             self._abort_all(list(order))
             raise
