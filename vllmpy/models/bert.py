@@ -48,6 +48,22 @@ _ROBERTA_STYLE = frozenset({"RobertaModel", "XLMRobertaModel",
 BERT_SEP_TOKEN_ID = 102
 
 
+def encoder_shape(r: ConfigReader, architecture: str) -> tuple[str, int, int, int]:
+    """A BERT-like config's activation, hidden size, heads and layers, checked."""
+    act = r.get("hidden_act", "gelu", str)
+    try:
+        check_activation(act, "hidden_act", gated=False)
+    except ValueError as e:
+        raise ConfigError(f"{architecture} config: {e}") from None
+    hidden, heads = r.need("hidden_size"), r.need("num_attention_heads")
+    layers = r.need("num_hidden_layers")
+    if hidden <= 0 or heads <= 0 or layers <= 0 or hidden % heads:
+        raise ConfigError(f"{architecture} config: hidden_size ({hidden}) must be a "
+                          f"positive multiple of num_attention_heads ({heads}), and "
+                          f"num_hidden_layers ({layers}) positive")
+    return act, hidden, heads, layers
+
+
 @dataclass(frozen=True)
 class BertConfig(TextModelConfig):
     intermediate_size: int
@@ -72,17 +88,7 @@ class BertConfig(TextModelConfig):
         r.refuse("is_decoder", unless=False, why="an encoder-only model attends both ways")
         r.refuse("add_cross_attention", unless=False,
                  why="an encoder-only model has no encoder states to attend to")
-        act = r.get("hidden_act", "gelu", str)
-        try:
-            check_activation(act, "hidden_act", gated=False)
-        except ValueError as e:
-            raise ConfigError(f"{architecture} config: {e}") from None
-        hidden, heads = r.need("hidden_size"), r.need("num_attention_heads")
-        layers = r.need("num_hidden_layers")
-        if hidden <= 0 or heads <= 0 or layers <= 0 or hidden % heads:
-            raise ConfigError(f"{architecture} config: hidden_size ({hidden}) must be a "
-                              f"positive multiple of num_attention_heads ({heads}), and "
-                              f"num_hidden_layers ({layers}) positive")
+        act, hidden, heads, layers = encoder_shape(r, architecture)
         table = r.need("max_position_embeddings")
         roberta = architecture in _ROBERTA_STYLE
         offset = r.get("pad_token_id", 1, int) + 1 if roberta else 0

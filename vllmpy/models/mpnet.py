@@ -25,12 +25,11 @@ from torch import nn
 
 from vllmpy.attention.metadata import AttentionMetadata
 from vllmpy.config import ConfigError, TextModelConfig
-from vllmpy.layers.activation import check_activation
 from vllmpy.layers.embedding import VocabEmbedding
 from vllmpy.layers.encoder_attention import encoder_attention, padded_layout
 from vllmpy.layers.linear import Linear, PackedLinear
 from vllmpy.layers.norm import LayerNorm
-from vllmpy.models.bert import BertDenseResidualNorm, BertIntermediate
+from vllmpy.models.bert import BertDenseResidualNorm, BertIntermediate, encoder_shape
 from vllmpy.models.config_reader import ConfigReader
 from vllmpy.models.weights import load_packed_weights
 
@@ -52,17 +51,7 @@ class MPNetConfig(TextModelConfig):
     @classmethod
     def from_hf(cls, cfg: dict[str, Any], architecture: str) -> MPNetConfig:
         r = ConfigReader(cfg, architecture)
-        act = r.get("hidden_act", "gelu", str)
-        try:
-            check_activation(act, "hidden_act", gated=False)
-        except ValueError as e:
-            raise ConfigError(f"{architecture} config: {e}") from None
-        hidden, heads = r.need("hidden_size"), r.need("num_attention_heads")
-        layers = r.need("num_hidden_layers")
-        if hidden <= 0 or heads <= 0 or layers <= 0 or hidden % heads:
-            raise ConfigError(f"{architecture} config: hidden_size ({hidden}) must be a "
-                              f"positive multiple of num_attention_heads ({heads}), and "
-                              f"num_hidden_layers ({layers}) positive")
+        act, hidden, heads, layers = encoder_shape(r, architecture)
         table = r.get("max_position_embeddings", 514, int)
         if table <= PADDING_IDX + 1:
             raise ConfigError(f"{architecture} config: max_position_embeddings ({table}) "
