@@ -51,6 +51,15 @@ class TextModelConfig:
             return None
         return max(w for w in windows if w is not None)
 
+    def layer_cache_specs(self) -> tuple[Any, ...]:
+        """What each caching layer keeps between steps, in model order
+        (``vllmpy.core.cache_spec``): paged K/V per layer here; hybrid and latent-attention
+        families override it (recurrent states, MLA latents)."""
+        from vllmpy.core.cache_spec import PagedKVSpec
+
+        return tuple(PagedKVSpec(self.num_key_value_heads, self.head_dim, window)
+                     for window in self.layer_windows)
+
 
 RUNNERS = ("auto", "generate", "pooling")
 CONVERTS = ("auto", "none", "embed")

@@ -31,6 +31,10 @@ class AttentionMetadata:
     block_size: int
     max_query_len: int = 0  # longest query of the step (1 for a pure decode step)
     max_seq_len: int = 0  # longest seq_len of the step
+    # Hybrid models: [num_reqs] int32, the recurrent-state seat of each request (padding
+    # requests: the scratch seat, num_seats); None when no layer keeps a recurrent state.
+    state_indices: torch.Tensor | None = None
+    state_indices_cpu: list[int] | None = None
 
     @property
     def num_reqs(self) -> int:
