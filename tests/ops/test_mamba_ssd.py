@@ -1,0 +1,165 @@
+"""The Mamba2 recurrence: the token-by-token reference against transformers' chunked scan,
+and the chunked PyTorch scan and the Triton kernels (the interpreter on the CPU) against
+the reference, over mixed request lengths, seats carried across chunks and padding."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from vllmpy.ops.mamba_ssd import (
+    discretize_dt,
+    ssd_chunked,
+    ssd_decode,
+    ssd_prefill,
+    ssd_reference,
+)
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+HEADS, HEAD_DIM, GROUPS, D_STATE = 4, 8, 2, 16
+
+
+def _inputs(tokens: int, seed: int, device: str = "cpu") -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+
+    def rand(*shape: int, scale: float = 1.0) -> torch.Tensor:
+        return (torch.randn(*shape, generator=g) * scale).to(device)
+
+    return dict(x=rand(tokens, HEADS, HEAD_DIM), dt=rand(tokens, HEADS),
+                A=-torch.exp(rand(HEADS, scale=0.5)), B=rand(tokens, GROUPS, D_STATE),
+                C=rand(tokens, GROUPS, D_STATE), D=rand(HEADS), dt_bias=rand(HEADS))
+
+
+def _states(num_seats: int, seed: int, device: str = "cpu") -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(num_seats + 1, HEADS, HEAD_DIM, D_STATE, generator=g).to(device)
+
+
+def test_reference_matches_transformers_chunked_scan():
+    """One request from a nonzero state, its dt clamped: transformers' own torch scan (the
+    chunk form its Mamba2 layers run on a prompt) gives the same outputs and final state."""
+    from transformers.models.mamba2 import modeling_mamba2 as hf
+
+    n = 23
+    inp = _inputs(n, 0)
+    state = _states(1, 1)
+    init = state[0].clone()
+    limit = (0.05, 2.0)
+    y = ssd_reference(**inp, state=state, query_start_loc=[0, n], seats=[0], dt_limit=limit)
+    hf_y, hf_state = hf.mamba2_chunk_scan(
+        inp["x"][None], inp["dt"][None], inp["A"], inp["B"][None], inp["C"][None],
+        chunk_size=8, D=inp["D"], dt_bias=inp["dt_bias"], initial_states=init[None],
+        dt_softplus=True, dt_limit=limit, return_final_states=True)
+    torch.testing.assert_close(y, hf_y[0], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(state[0], hf_state[0], atol=1e-4, rtol=1e-4)
+
+
+def test_discretize_clamps_after_softplus():
+    dt = torch.tensor([[-30.0, 0.0, 30.0]])
+    out = discretize_dt(dt, torch.zeros(3), (0.1, 5.0))
+    torch.testing.assert_close(out, torch.tensor([[0.1, math.log(2.0), 5.0]]))
+
+
+# (query lengths, seats) of a step: a 70-token prompt crosses the 64-token chunk, a
+# one-token decode, an empty padding request on the scratch seat, and padding rows after
+LAYOUTS = [([5, 70, 1, 0], [2, 0, 3, 4]), ([1, 1, 1], [1, 3, 0]), ([9], [2])]
+
+
+def _step(lengths: list[int], pad_rows: int = 3) -> tuple[list[int], int]:
+    qsl = [0]
+    for n in lengths:
+        qsl.append(qsl[-1] + n)
+    return qsl, qsl[-1] + pad_rows
+
+
+@pytest.mark.parametrize("lengths,seats", LAYOUTS)
+def test_chunked_scan_matches_reference(lengths, seats):
+    qsl, tokens = _step(lengths)
+    inp = _inputs(tokens, 2)
+    ref_state, state = _states(4, 3), _states(4, 3)
+    ref = ssd_reference(**inp, state=ref_state, query_start_loc=qsl, seats=seats,
+                        dt_limit=(0.0, 3.0))
+    out = ssd_chunked(**inp, state=state, query_start_loc=qsl, seats=seats,
+                      dt_limit=(0.0, 3.0), chunk=16)
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(state, ref_state, atol=1e-4, rtol=1e-4)
+    assert out[qsl[-1]:].abs().sum() == 0  # padding rows
+
+
+def _device_args(qsl: list[int], seats: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    return (torch.tensor(qsl, dtype=torch.int32, device=DEVICE),
+            torch.tensor(seats, dtype=torch.int32, device=DEVICE))
+
+
+@pytest.mark.parametrize("lengths,seats", LAYOUTS)
+def test_prefill_kernel_matches_reference(lengths, seats):
+    qsl, tokens = _step(lengths)
+    inp = _inputs(tokens, 4)
+    ref_state = _states(4, 5)
+    ref = ssd_reference(**inp, state=ref_state, query_start_loc=qsl, seats=seats)
+    state = _states(4, 5).to(DEVICE)
+    out = ssd_prefill(**{k: v.to(DEVICE) for k, v in inp.items()}, state=state,
+                      query_start_loc=_device_args(qsl, seats)[0],
+                      seats=_device_args(qsl, seats)[1])
+    torch.testing.assert_close(out.cpu(), ref, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(state.cpu(), ref_state, atol=1e-4, rtol=1e-4)
+
+
+def test_kernels_carry_the_state_across_chunks():
+    """A 12-token request as a 7-token prefill chunk, a 5-token chunk and two decode steps
+    (from the seat the earlier launches left) equals the reference over all 14 tokens;
+    the other seats are untouched."""
+    n = 14
+    inp = _inputs(n, 6)
+    ref_state = _states(3, 7)
+    ref = ssd_reference(**inp, state=ref_state, query_start_loc=[0, n], seats=[1],
+                        dt_limit=(0.01, math.inf))
+    state = _states(3, 7).to(DEVICE)
+    untouched = state[[0, 2, 3]].clone()
+    outs = []
+    for lo, hi in ((0, 7), (7, 12), (12, 13), (13, 14)):
+        part = {k: (v[lo:hi] if v.shape[0] == n and k not in ("A", "D", "dt_bias") else v)
+                for k, v in inp.items()}
+        part = {k: v.to(DEVICE) for k, v in part.items()}
+        qsl, seats = _device_args([0, hi - lo], [1])
+        run = ssd_decode if hi - lo == 1 else ssd_prefill
+        outs.append(run(**part, state=state, query_start_loc=qsl, seats=seats,
+                        dt_limit=(0.01, math.inf)).cpu())
+    torch.testing.assert_close(torch.cat(outs), ref, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(state[1].cpu(), ref_state[1], atol=1e-4, rtol=1e-4)
+    assert torch.equal(state[[0, 2, 3]], untouched)
+
+
+def test_decode_kernel_on_strided_slices_and_bf16_state():
+    """A batch of decodes whose x, dt, B and C are column slices of one projection (as the
+    layer passes them) and a bfloat16 state: the reference's values, rounded once."""
+    reqs = 5
+    inp = _inputs(reqs, 8)
+    widths = [HEADS * HEAD_DIM, HEADS, GROUPS * D_STATE, GROUPS * D_STATE]
+    packed = torch.cat([inp["x"].reshape(reqs, -1), inp["dt"], inp["B"].reshape(reqs, -1),
+                        inp["C"].reshape(reqs, -1)], dim=1).to(DEVICE)
+    x, dt, B, C = packed.split(widths, dim=1)
+    seats = [4, 0, 2, 1, 5]
+    ref_state = _states(5, 9).to(torch.bfloat16)
+    ref = ssd_reference(**inp, state=ref_state, query_start_loc=list(range(reqs + 1)),
+                        seats=seats)
+    state = _states(5, 9).to(torch.bfloat16).to(DEVICE)
+    qsl, seat_t = _device_args(list(range(reqs + 1)), seats)
+    out = ssd_decode(x.view(reqs, HEADS, HEAD_DIM), dt, inp["A"].to(DEVICE),
+                     B.view(reqs, GROUPS, D_STATE), C.view(reqs, GROUPS, D_STATE),
+                     inp["D"].to(DEVICE), inp["dt_bias"].to(DEVICE), state, qsl, seat_t)
+    torch.testing.assert_close(out.cpu(), ref, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(state.cpu().float(), ref_state.float(), atol=1e-2, rtol=1e-2)
+
+
+def test_launcher_refuses_bad_shapes():
+    inp = _inputs(4, 10)
+    state = _states(2, 11)
+    qsl, seats = _device_args([0, 4], [0])
+    with pytest.raises(ValueError, match="state has shape"):
+        ssd_prefill(**inp, state=state[..., :8], query_start_loc=qsl.cpu(), seats=seats.cpu())
+    with pytest.raises(ValueError, match="query_start_loc has 3 entries"):
+        ssd_prefill(**inp, state=state, query_start_loc=torch.tensor([0, 2, 4]),
+                    seats=torch.tensor([0]))
