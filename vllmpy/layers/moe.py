@@ -2,7 +2,10 @@
 
 Routing (``select_experts``) follows the Hugging Face modeling files:
 - softmax scoring (Qwen2/3-MoE, Mixtral, OLMoE): softmax over every expert in fp32, the
-  top k, renormalised to sum to 1 when the config says ``norm_topk_prob``;
+  top k, renormalised to sum to 1 when the config says ``norm_topk_prob``; with
+  ``n_group`` > 1 (DeepSeek-V2's ``group_limited_greedy``) the experts are split into
+  ``n_group`` groups ranked by their best score, and the top k are chosen inside the best
+  ``topk_group`` groups (the others' scores count as 0, as transformers masks them);
 - top-k-then-softmax scoring (GPT-OSS, GraniteMoE): the top k of the logits, softmaxed
   among themselves: the renormalised weights of softmax scoring, but chosen on the logits
   (two logits that differ can round to one probability, and the experts must be the ones
@@ -67,7 +70,12 @@ def select_experts(logits: torch.Tensor, top_k: int, renormalize: bool,
         raise ValueError(f"top_k must lie in 1..{num_experts}, got {top_k}")
     logits = logits.float()
     if scoring == "softmax":
-        weights, ids = torch.topk(torch.softmax(logits, dim=-1), top_k, dim=-1)
+        probs = torch.softmax(logits, dim=-1)
+        if n_group is not None and n_group > 1:
+            probs = _group_limited(probs, n_group, topk_group, rank_by_top=1, hidden=0.0)
+            weights, ids = torch.topk(probs, top_k, dim=-1, sorted=False)
+        else:
+            weights, ids = torch.topk(probs, top_k, dim=-1)
         if renormalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return weights * routed_scaling_factor if routed_scaling_factor != 1.0 else weights, ids
@@ -80,20 +88,30 @@ def select_experts(logits: torch.Tensor, top_k: int, renormalize: bool,
     scores = logits.sigmoid()
     choice = scores if correction_bias is None else scores + correction_bias.float()
     if n_group is not None and n_group > 1:
-        if num_experts % n_group or not topk_group or not 1 <= topk_group <= n_group:
-            raise ValueError(f"n_group {n_group} must divide the {num_experts} experts and "
-                             f"topk_group ({topk_group}) lie in 1..{n_group}")
-        grouped = choice.view(-1, n_group, num_experts // n_group)
-        group_scores = grouped.topk(min(2, grouped.shape[-1]), dim=-1)[0].sum(dim=-1)
-        best = torch.topk(group_scores, topk_group, dim=-1, sorted=False)[1]
-        keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)
-        keep = keep.unsqueeze(-1).expand_as(grouped).reshape(-1, num_experts)
-        choice = choice.masked_fill(~keep, float("-inf"))
+        choice = _group_limited(choice, n_group, topk_group, rank_by_top=2,
+                                hidden=float("-inf"))
     ids = torch.topk(choice, top_k, dim=-1, sorted=False)[1]
     weights = scores.gather(1, ids)
     if renormalize:
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
     return weights * routed_scaling_factor, ids
+
+
+def _group_limited(scores: torch.Tensor, n_group: int, topk_group: int | None,
+                   rank_by_top: int, hidden: float) -> torch.Tensor:
+    """``scores`` [T, E] with the experts outside each token's best ``topk_group`` of
+    ``n_group`` groups set to ``hidden``; a group ranks by the sum of its
+    ``rank_by_top`` best scores."""
+    num_experts = scores.shape[-1]
+    if num_experts % n_group or not topk_group or not 1 <= topk_group <= n_group:
+        raise ValueError(f"n_group {n_group} must divide the {num_experts} experts and "
+                         f"topk_group ({topk_group}) lie in 1..{n_group}")
+    grouped = scores.view(-1, n_group, num_experts // n_group)
+    group_scores = grouped.topk(min(rank_by_top, grouped.shape[-1]), dim=-1)[0].sum(dim=-1)
+    best = torch.topk(group_scores, topk_group, dim=-1, sorted=False)[1]
+    keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)
+    keep = keep.unsqueeze(-1).expand_as(grouped).reshape(-1, num_experts)
+    return scores.masked_fill(~keep, hidden)
 
 
 def expert_activation(gate: torch.Tensor, up: torch.Tensor, activation: str = "silu",
