@@ -43,6 +43,16 @@ from vllmpy.ops.causal_conv1d import causal_conv1d_ref
 from vllmpy.ops.mamba_ssd import ssd_chunked
 
 
+def mamba2_state_spec(num_heads: int, head_dim: int, d_state: int, n_groups: int,
+                      conv_kernel: int) -> RecurrentStateSpec:
+    """What one Mamba2 layer keeps per seat (the module docstring's layout): what a
+    config's ``layer_cache_specs`` lists for each of its Mamba2 layers."""
+    conv_dim = num_heads * head_dim + 2 * n_groups * d_state
+    return RecurrentStateSpec("mamba2", (
+        StateTensor("conv", (conv_dim, conv_kernel - 1), "model"),
+        StateTensor("ssm", (num_heads, head_dim, d_state), "ssm")))
+
+
 class MixerRMSNormGated(nn.Module):
     """RMSNorm over ``n_groups`` equal groups of the last dimension, gated by silu(z)
     before (``norm_before_gate=False``) or after the norm; float32 inside, one rounding."""
@@ -128,9 +138,8 @@ class Mamba2Mixer(CustomOp):
     # ---- the engine's side ----
 
     def cache_spec(self) -> RecurrentStateSpec:
-        return RecurrentStateSpec("mamba2", (
-            StateTensor("conv", (self.conv_dim, self.conv_kernel - 1), "model"),
-            StateTensor("ssm", (self.num_heads, self.head_dim, self.d_state), "ssm")))
+        return mamba2_state_spec(self.num_heads, self.head_dim, self.d_state,
+                                 self.n_groups, self.conv_kernel)
 
     def bind_state(self, tensors: dict[str, torch.Tensor]) -> None:
         """Take the engine's state tensors, each [num_seats + 1, *shape] (``cache_spec``)."""

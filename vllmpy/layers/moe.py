@@ -52,8 +52,9 @@ from vllmpy.layers.mlp import GatedMLP
 from vllmpy.layers.quantization.base import MoEMethod, mark_router
 
 __all__ = ["EXPERT_PROJECTIONS", "ExpertLayout", "FusedMoE", "SparseMoeBlock",
-           "expert_activation", "mark_router", "moe_reference", "moe_stats_summary",
-           "reset_moe_stats", "select_experts"]
+           "UngatedMoE", "expert_activation", "mark_router", "moe_reference",
+           "moe_stats_summary", "reset_moe_stats", "select_experts",
+           "ungated_moe_dense", "ungated_moe_reference"]
 
 # a checkpoint's names for each expert's gate, up and down projections
 EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
@@ -533,3 +534,111 @@ class SparseMoeBlock(nn.Module):
                 shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
             out = out + shared
         return out
+
+
+# activations of ungated experts, by config name
+UNGATED_ACTIVATIONS = {"relu2": lambda x: torch.square(F.relu(x)), "silu": F.silu,
+                       "gelu": F.gelu}
+
+
+def ungated_moe_reference(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
+                          weights: torch.Tensor, ids: torch.Tensor,
+                          activation: str = "relu2") -> torch.Tensor:
+    """sum_j weights[t, j] * down_e(act(up_e(x_t))) with e = ids[t, j], for x [T, H], w1
+    [E, I, H] (up) and w2 [E, H, I] (down): one matmul pair per expert that has tokens,
+    the weighted sum in fp32, as ``moe_reference`` does for gated experts."""
+    act = UNGATED_ACTIVATIONS[activation]
+    tokens, top_k = ids.shape
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=w1.shape[0]).tolist()
+    rows = x[order // top_k]
+    products = torch.empty((tokens * top_k, w2.shape[1]), dtype=x.dtype, device=x.device)
+    start = 0
+    for expert, count in enumerate(counts):
+        if count:
+            seg = rows[start:start + count]
+            products[start:start + count] = F.linear(act(F.linear(seg, w1[expert])),
+                                                     w2[expert])
+            start += count
+    scaled = products.float() * weights.reshape(-1)[order].float()[:, None]
+    out = torch.zeros((tokens, w2.shape[1]), dtype=torch.float32, device=x.device)
+    out.index_add_(0, order // top_k, scaled)
+    return out.to(x.dtype)
+
+
+def ungated_moe_dense(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
+                      weights: torch.Tensor, ids: torch.Tensor,
+                      activation: str = "relu2") -> torch.Tensor:
+    """``ungated_moe_reference``'s sum with every expert run over every token, each
+    weighted by its share of the token's routing (zero when not chosen): sizes fixed by
+    the shapes alone, no host read (what a CUDA graph may capture)."""
+    act = UNGATED_ACTIVATIONS[activation]
+    out = torch.zeros((x.shape[0], w2.shape[1]), dtype=torch.float32, device=x.device)
+    for expert in range(w1.shape[0]):
+        share = (weights.float() * (ids == expert)).sum(dim=-1, keepdim=True)  # [T, 1]
+        out += share * F.linear(act(F.linear(x, w1[expert])), w2[expert]).float()
+    return out.to(x.dtype)
+
+
+class UngatedMoE(CustomOp):
+    """Experts with plain MLPs, down(act(up(x))) (Nemotron-H: ``relu2``, ReLU squared):
+    ``w1`` [E, I, H] and ``w2`` [E, H, I], from a checkpoint's per-expert tensors
+    (``N.up_proj.weight`` / ``N.down_proj.weight``) or stacked ones (``up_proj`` [E, I, H]
+    / ``down_proj`` [E, H, I], with or without ``.weight``); float weights only.
+
+    ``forward(x, weights, ids)`` takes the router's choice. The native path groups the
+    pairs by expert (``ungated_moe_reference``); on CUDA the same outside graph capture,
+    and, while a CUDA graph is captured (no host read allowed), every expert over every
+    token, each weighted by its share of the token's routing (zero when not chosen)."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int,
+                 activation: str = "relu2",
+                 names: tuple[str, str] = ("up_proj", "down_proj")) -> None:
+        super().__init__()
+        if activation not in UNGATED_ACTIVATIONS:
+            raise ConfigError(f"unknown expert activation {activation!r}; supported: "
+                              f"{sorted(UNGATED_ACTIVATIONS)}")
+        self.num_experts = num_experts
+        self.hidden_size = hidden_size
+        self.intermediate_size = intermediate_size
+        self.activation = activation
+        self.names = names
+        self.w1 = nn.Parameter(torch.empty(num_experts, intermediate_size, hidden_size),
+                               requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size),
+                               requires_grad=False)
+        self._filled: set[tuple[int, int]] = set()  # (expert, projection) loaded
+
+    def load_expert_tensor(self, rest: str, tensor: torch.Tensor, name: str) -> None:
+        """Checkpoint tensor ``name``, ``rest`` its part under this layer."""
+        parts = rest.split(".")
+        expert: int | None = None
+        if parts[0].isdigit():
+            expert, parts = int(parts[0]), parts[1:]
+            if expert >= self.num_experts:
+                raise ValueError(f"checkpoint tensor {name!r} names expert {expert}; the "
+                                 f"config has {self.num_experts}")
+        if parts[0] not in self.names or parts[1:] not in ([], ["weight"]) or (
+                expert is not None and parts[1:] != ["weight"]):
+            raise ValueError(f"checkpoint tensor {name!r} has no matching model parameter")
+        FusedMoE._check_float(True, tensor, name)
+        proj = self.names.index(parts[0])
+        dest = (self.w1, self.w2)[proj].data
+        FusedMoE._copy(dest if expert is None else dest[expert], tensor, name)
+        experts = range(self.num_experts) if expert is None else (expert,)
+        self._filled.update((e, proj) for e in experts)
+
+    def missing(self) -> list[str]:
+        return [f"{e}.{self.names[p]}.weight" for e in range(self.num_experts)
+                for p in range(2) if (e, p) not in self._filled]
+
+    def forward_native(self, x: torch.Tensor, weights: torch.Tensor,
+                       ids: torch.Tensor) -> torch.Tensor:
+        return ungated_moe_reference(x, self.w1, self.w2, weights, ids, self.activation)
+
+    def forward_cuda(self, x: torch.Tensor, weights: torch.Tensor,
+                     ids: torch.Tensor) -> torch.Tensor:
+        if not torch.cuda.is_current_stream_capturing():
+            return self.forward_native(x, weights, ids)
+        return ungated_moe_dense(x, self.w1, self.w2, weights, ids, self.activation)

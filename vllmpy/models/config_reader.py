@@ -164,3 +164,35 @@ def decoder_fields(reader: ConfigReader, architecture: str,
 def windows_of(kinds: list[str], window: int | None) -> tuple[int | None, ...]:
     """Per-layer windows from per-layer kinds: ``window`` on sliding layers."""
     return tuple(window if k == "sliding_attention" else None for k in kinds)
+
+
+def float_list(reader: ConfigReader, key: str, default: tuple[float, ...],
+               length: int | None = None) -> tuple[float, ...]:
+    """A list of numbers (``time_step_limit``, ``ssm_multipliers``...), ``default`` when
+    absent. transformers writes a non-finite float as ``{"__float__": "Infinity"}``; that
+    form reads as the float it names."""
+    value = reader.cfg.get(key)
+    if value is None:
+        return tuple(default)
+
+    def number(v: Any) -> float:
+        if isinstance(v, dict) and set(v) == {"__float__"}:
+            v = v["__float__"]
+            if isinstance(v, str):
+                try:
+                    return float(v)
+                except ValueError:
+                    pass
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise ConfigError(f"{reader.architecture} config {key!r} must list numbers, "
+                              f"got {value!r}")
+        return float(v)
+
+    if not isinstance(value, (list, tuple)):
+        raise ConfigError(f"{reader.architecture} config {key!r} must be a list of numbers, "
+                          f"got {value!r}")
+    numbers = tuple(number(v) for v in value)
+    if length is not None and len(numbers) != length:
+        raise ConfigError(f"{reader.architecture} config {key!r} must list {length} numbers, "
+                          f"got {value!r}")
+    return numbers
