@@ -163,3 +163,36 @@ def test_launcher_refuses_bad_shapes():
     with pytest.raises(ValueError, match="query_start_loc has 3 entries"):
         ssd_prefill(**inp, state=state, query_start_loc=torch.tensor([0, 2, 4]),
                     seats=torch.tensor([0]))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernels_at_model_sizes_on_cuda(dtype):
+    """Nemotron-H-like heads (64 heads of 64 rows, 8 groups, d_state 128) over prompts of
+    up to 300 tokens and decodes: the chunked scan's values (itself checked against the
+    reference above), in the inputs' dtype."""
+    g = torch.Generator().manual_seed(12)
+    heads, head_dim, groups, d_state = 64, 64, 8, 128
+    lengths, seats = [300, 1, 77, 1, 129], [3, 0, 5, 1, 2]
+    qsl = [0]
+    for n in lengths:
+        qsl.append(qsl[-1] + n)
+    t = qsl[-1]
+
+    def rand(*shape: int, scale: float = 1.0) -> torch.Tensor:
+        return (torch.randn(*shape, generator=g) * scale).to(dtype)
+
+    inp = dict(x=rand(t, heads, head_dim), dt=rand(t, heads), A=-torch.exp(torch.randn(
+        heads, generator=g)), B=rand(t, groups, d_state, scale=0.3),
+        C=rand(t, groups, d_state, scale=0.3), D=torch.randn(heads, generator=g),
+        dt_bias=torch.randn(heads, generator=g))
+    state = torch.randn(6, heads, head_dim, d_state, generator=g).to(dtype)
+    ref_state = state.clone()
+    ref = ssd_chunked(**inp, state=ref_state, query_start_loc=qsl, seats=seats)
+    state = state.cuda()
+    qsl_t, seats_t = (torch.tensor(v, dtype=torch.int32, device="cuda") for v in (qsl, seats))
+    out = ssd_prefill(**{k: v.cuda() for k, v in inp.items()}, state=state,
+                      query_start_loc=qsl_t, seats=seats_t)
+    tol = 1e-3 if dtype == torch.float32 else 5e-2
+    torch.testing.assert_close(out.cpu().float(), ref.float(), atol=tol, rtol=tol)
+    torch.testing.assert_close(state.cpu().float(), ref_state.float(), atol=tol, rtol=tol)
