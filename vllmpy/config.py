@@ -62,6 +62,7 @@ class TextModelConfig:
 
 
 RUNNERS = ("auto", "generate", "pooling")
+MAMBA_SSM_CACHE_DTYPES = ("auto", "float32", "bfloat16")
 CONVERTS = ("auto", "none", "embed")
 
 
@@ -98,6 +99,13 @@ class CacheConfig:
     # CUDA without --num-blocks / --kv-cache-memory: num_blocks is 0 until the engine has
     # profiled memory, then this fraction of the device's memory bounds the whole engine.
     gpu_memory_utilization: float = 0.9
+    # Hybrid models (``vllmpy.core.cache_spec``): the recurrent-state seats the pool holds
+    # beside the blocks (one per running sequence; 0 without recurrent layers), what one
+    # seat takes across the recurrent layers, and the SSM / delta state's dtype.
+    num_seats: int = 0
+    bytes_per_seat: int = 0
+    ssm_cache_dtype: Any = None
+    layout: Any = None  # the model's CacheLayout (None: every layer paged K/V)
 
     @property
     def num_tokens(self) -> int:
@@ -144,6 +152,8 @@ class EngineArgs:
     num_blocks: int | None = None  # default 256 when kv_cache_memory is not given
     kv_cache_memory: int | None = None
     kv_cache_dtype: str = "auto"
+    # hybrid models: the SSM / delta state's dtype (auto: the model's, as vLLM)
+    mamba_ssm_cache_dtype: str = "auto"
     quantization: str | None = None  # None: what the checkpoint declares
     max_num_seqs: int = 32
     max_num_batched_tokens: int | None = None  # default 8192 on CUDA, 2048 on the CPU
@@ -193,6 +203,10 @@ class EngineArgs:
                        help="KV page storage: auto (what the checkpoint declares, else the "
                             "model dtype), bfloat16, float32, fp8 = fp8_e4m3 (1 byte, "
                             "per-layer scales); float16 and fp8_e5m2 are refused")
+        g.add_argument("--mamba-ssm-cache-dtype", default="auto",
+                       choices=MAMBA_SSM_CACHE_DTYPES,
+                       help="hybrid models (Mamba2, Gated DeltaNet layers): the dtype of each "
+                            "sequence's recurrent state (auto: the model dtype)")
         g.add_argument("--quantization", "-q", default=None,
                        help="weight quantization: by default what the checkpoint declares "
                             "(config.json quantization_config, hf_quant_config.json, GGUF "

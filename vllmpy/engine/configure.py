@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from vllmpy.config import (
+    MAMBA_SSM_CACHE_DTYPES,
     CacheConfig,
     ConfigError,
     EngineArgs,
@@ -17,6 +18,7 @@ from vllmpy.config import (
     TextModelConfig,
     log,
 )
+from vllmpy.core.cache_spec import CacheLayout
 from vllmpy.core.scheduler import SCHEDULING_POLICIES
 from vllmpy.loader.source import ModelSource, resolve_model_source
 from vllmpy.startup_flags import check_startup_flags
@@ -128,10 +130,59 @@ def _check_kv_dtype_on_device(kv_dtype: torch.dtype, device: str) -> None:
 
 
 def _bytes_per_block(text: TextModelConfig, block_size: int, kv_dtype: torch.dtype) -> int:
-    """One block across every layer, keys and values, at the KV storage dtype."""
-    elem = torch.empty((), dtype=kv_dtype).element_size()
-    return (2 * text.num_hidden_layers * block_size * text.num_key_value_heads
-            * text.head_dim * elem)
+    """One block across every paged layer (K/V or MLA latents), at the KV storage dtype."""
+    return CacheLayout(text.layer_cache_specs()).bytes_per_block(block_size, kv_dtype)
+
+
+def _ssm_cache_dtype(args: EngineArgs, dtype: torch.dtype) -> torch.dtype:
+    """--mamba-ssm-cache-dtype: auto is the model's dtype (vLLM's default)."""
+    choice = getattr(args, "mamba_ssm_cache_dtype", "auto")
+    if choice == "auto":
+        return dtype
+    if choice not in MAMBA_SSM_CACHE_DTYPES:
+        raise ConfigError(f"--mamba-ssm-cache-dtype {choice!r}: choose one of "
+                          f"{', '.join(MAMBA_SSM_CACHE_DTYPES)}")
+    return getattr(torch, choice)
+
+
+def _split_pool(budget: int, per_block: int, per_seat: int, wanted: int, max_len: int,
+                block_size: int, flag: str, fitted: bool) -> tuple[int, int]:
+    """A hybrid model's byte budget as (KV blocks, recurrent seats): seats first, up to
+    ``wanted`` (one per sequence --max-num-seqs allows), leaving the blocks one sequence of
+    ``max_len`` tokens needs; the rest are blocks. With the serving length auto-fitted
+    (``fitted``) a budget too small for that keeps one seat and fits the length to what is
+    left. Refuses a budget that holds no seat, with the arithmetic."""
+    need = -(-max_len // block_size)
+    if per_block == 0:  # every layer recurrent: blocks are only bookkeeping
+        seats = min(wanted, budget // per_seat)
+        if seats < 1:
+            raise ConfigError(
+                f"{flag} {budget} bytes holds no sequence's recurrent state: one takes "
+                f"{per_seat} bytes across the model's recurrent layers; raise {flag} to at "
+                f"least {per_seat}")
+        return seats * need, seats
+    seats = min(wanted, max(0, budget - need * per_block) // per_seat)
+    if seats < 1 and fitted and budget >= per_seat + per_block:
+        seats = 1
+    if seats < 1:
+        raise ConfigError(
+            f"{flag} {budget} bytes cannot serve one sequence: its recurrent state takes "
+            f"{per_seat} bytes and its {need} KV blocks of {block_size} tokens (max_model_len "
+            f"{max_len}) take {need * per_block} bytes ({per_block} per block), "
+            f"{per_seat + need * per_block} bytes in all; raise {flag} or lower --max-model-len")
+    return (budget - seats * per_seat) // per_block, seats
+
+
+def _seat_line(wanted: int, seats: int, num_blocks: int, budget: int, per_seat: int,
+               layout: CacheLayout, flag: str) -> str | None:
+    """The stderr line of a reduced --max-num-seqs (None when every seat fits)."""
+    if seats >= wanted:
+        return None
+    return (f"recurrent-state budget: reduced max_num_seqs from {wanted} to {seats}. The KV "
+            f"pool ({budget} bytes, {flag}) holds {seats} recurrent states of {per_seat} "
+            f"bytes ({layout.describe()} layers) beside {num_blocks} KV blocks, and each "
+            f"sequence owns one. Raise {flag} for more concurrent sequences "
+            f"({wanted * per_seat} bytes of states serve {wanted}).")
 
 
 def _resolve_num_blocks(args: EngineArgs, bytes_per_block: int, device: str) -> int:
@@ -200,8 +251,17 @@ def _startup_line(args: EngineArgs, cache: CacheConfig, max_model_len: int, how:
              if args.kv_cache_memory is not None else "")
     return (f"KV cache: {cache.num_blocks} blocks x {cache.block_size} tokens = "
             f"{cache.num_tokens} tokens, {cache.num_blocks * cache.bytes_per_block} bytes "
-            f"({kv_cache_dtype_name(cache.kv_cache_dtype)}, {elem}-byte values{sized}); "
-            f"max_model_len {max_model_len} ({how})")
+            f"({kv_cache_dtype_name(cache.kv_cache_dtype)}, {elem}-byte values{sized})"
+            f"{_seats_part(cache)}; max_model_len {max_model_len} ({how})")
+
+
+def _seats_part(cache: CacheConfig) -> str:
+    """The recurrent-state half of the start-up line ('' without recurrent layers)."""
+    if not cache.num_seats:
+        return ""
+    return (f"; recurrent state: {cache.num_seats} seats x {cache.bytes_per_seat} bytes = "
+            f"{cache.num_seats * cache.bytes_per_seat} bytes ({cache.layout.describe()} "
+            f"layers, state dtype {str(cache.ssm_cache_dtype).removeprefix('torch.')})")
 
 
 def model_source(args: EngineArgs) -> ModelSource:
@@ -283,7 +343,8 @@ def build_engine_config(args: EngineArgs, source: ModelSource | None = None) -> 
             raise ConfigError("--speculative-config: a pooling model samples no tokens, so "
                               "there is nothing to speculate")
         async_scheduling = False  # each request ends with its one step
-    per_block = _bytes_per_block(text, args.block_size, kv_dtype)
+    layout = CacheLayout(text.layer_cache_specs())
+    per_block = layout.bytes_per_block(args.block_size, kv_dtype)
     budget = args.max_num_batched_tokens or (
         DEFAULT_MAX_NUM_BATCHED_TOKENS_CUDA if device == "cuda"
         else DEFAULT_MAX_NUM_BATCHED_TOKENS)
@@ -297,15 +358,26 @@ def build_engine_config(args: EngineArgs, source: ModelSource | None = None) -> 
         draft = draft_kv_config(speculative, source.kind, text)
         if draft is not None:
             per_block += _bytes_per_block(draft, args.block_size, kv_dtype)
-    cache = CacheConfig(
-        block_size=args.block_size,
-        num_blocks=_resolve_num_blocks(args, per_block, device),
-        kv_cache_dtype=kv_dtype,
-        kv_cache_dtype_requested=args.kv_cache_dtype,
-        bytes_per_block=per_block,
-        enable_prefix_caching=bool(args.enable_prefix_caching),
-        gpu_memory_utilization=args.gpu_memory_utilization,
-    )
+    max_num_seqs = args.max_num_seqs
+    if layout.is_hybrid:
+        cache, max_num_seqs = _hybrid_cache(args, text, layout, per_block, dtype, kv_dtype,
+                                            device, speculative)
+    else:
+        cache = CacheConfig(
+            block_size=args.block_size,
+            num_blocks=_resolve_num_blocks(args, per_block, device),
+            kv_cache_dtype=kv_dtype,
+            kv_cache_dtype_requested=args.kv_cache_dtype,
+            bytes_per_block=per_block,
+            enable_prefix_caching=bool(args.enable_prefix_caching),
+            gpu_memory_utilization=args.gpu_memory_utilization,
+            layout=layout,
+        )
+    enforce_eager = args.enforce_eager
+    if layout.is_hybrid and device == "cuda" and not enforce_eager:
+        log(f"CUDA graphs: off for {text.architectures[0]}: its recurrent layers "
+            f"({layout.describe()}) run eagerly (as --enforce-eager)")
+        enforce_eager = True
     if cache.num_blocks == 0:  # sized after the memory profile (finish_profiled_pool)
         max_model_len = args.max_model_len or text.max_position_embeddings
         if max_model_len > text.max_position_embeddings:
@@ -336,9 +408,9 @@ def build_engine_config(args: EngineArgs, source: ModelSource | None = None) -> 
     if runner == "pooling":  # a prompt is computed in one step
         budget = max(budget, max_model_len)
     return EngineConfig(model=model, cache=cache,
-                        scheduler=SchedulerConfig(args.max_num_seqs, budget,
+                        scheduler=SchedulerConfig(max_num_seqs, budget,
                                                   args.scheduling_policy),
-                        device=device, enforce_eager=args.enforce_eager,
+                        device=device, enforce_eager=enforce_eager,
                         async_scheduling=async_scheduling,
                         enable_jump_forward=args.enable_jump_forward,
                         speculative=speculative)
@@ -384,6 +456,56 @@ def _runner(args: EngineArgs, source: ModelSource, text: TextModelConfig
         f"{', normalized' if spec.normalize else ''}"
         f"{f', {len(spec.dense)} Dense layers' if spec.dense else ''}")
     return runner, spec
+
+
+def _hybrid_cache(args: EngineArgs, text: TextModelConfig, layout: CacheLayout,
+                  per_block: int, dtype: torch.dtype, kv_dtype: torch.dtype, device: str,
+                  speculative: Any) -> tuple[CacheConfig, int]:
+    """The pool of a model with recurrent layers: KV blocks for its paged layers and one
+    recurrent-state seat per concurrent sequence (``vllmpy.core.cache_spec``); the
+    --max-num-seqs it can serve. A byte budget (--kv-cache-memory) pays for both, seats
+    first; --num-blocks names the blocks and the seats come on top."""
+    if speculative is not None:
+        raise ConfigError(
+            f"--speculative-config: {text.architectures[0]} keeps recurrent states "
+            f"({layout.describe()} layers), which a rejected draft would have to roll back; "
+            f"speculative decoding is not supported on this model")
+    enable_caching = bool(args.enable_prefix_caching)
+    if enable_caching:
+        log(f"prefix caching: off for {text.architectures[0]}: its recurrent layers keep one "
+            f"state per sequence, not per block, so a cached prefix has no state to resume "
+            f"from (--no-enable-prefix-caching says so)")
+        enable_caching = False
+    ssm_dtype = _ssm_cache_dtype(args, dtype)
+    per_seat = layout.bytes_per_seat(dtype, ssm_dtype)
+    wanted = args.max_num_seqs
+    max_len = args.max_model_len or text.max_position_embeddings
+    num_blocks = _resolve_num_blocks(args, max(per_block, 1), device)
+    seats = wanted
+    if args.kv_cache_memory is not None:
+        num_blocks, seats = _split_pool(args.kv_cache_memory, per_block, per_seat, wanted,
+                                        max_len, args.block_size, "--kv-cache-memory",
+                                        args.max_model_len is None)
+        line = _seat_line(wanted, seats, num_blocks, args.kv_cache_memory, per_seat, layout,
+                          "--kv-cache-memory")
+        if line:
+            log(line)
+    elif per_block == 0 and num_blocks:  # every layer recurrent: blocks only count tokens
+        num_blocks = wanted * -(-max_len // args.block_size)
+    cache = CacheConfig(
+        block_size=args.block_size,
+        num_blocks=num_blocks,
+        kv_cache_dtype=kv_dtype,
+        kv_cache_dtype_requested=args.kv_cache_dtype,
+        bytes_per_block=per_block,
+        enable_prefix_caching=enable_caching,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        num_seats=seats,
+        bytes_per_seat=per_seat,
+        ssm_cache_dtype=ssm_dtype,
+        layout=layout,
+    )
+    return cache, seats
 
 
 def _encoder_engine_config(args: EngineArgs, source: ModelSource, text: TextModelConfig,
@@ -472,6 +594,8 @@ def finish_profiled_pool(config: EngineConfig, kv_bytes: int, breakdown: str) ->
     under --gpu-memory-utilization); refuses start-up when one sequence of max_model_len
     does not fit, with the arithmetic and the flags that close the gap."""
     cache, model = config.cache, config.model
+    if cache.num_seats:
+        return _finish_profiled_hybrid(config, kv_bytes, breakdown)
     num_blocks = max(0, kv_bytes) // cache.bytes_per_block
     need = -(-model.max_model_len // cache.block_size)
     if num_blocks < need:
@@ -492,3 +616,28 @@ def finish_profiled_pool(config: EngineConfig, kv_bytes: int, breakdown: str) ->
         f"{cache.gpu_memory_utilization}: {breakdown}); max_model_len {model.max_model_len} "
         f"({how})")
     return dataclasses.replace(config, cache=cache)
+
+
+def _finish_profiled_hybrid(config: EngineConfig, kv_bytes: int, breakdown: str
+                            ) -> EngineConfig:
+    """``finish_profiled_pool`` for a model with recurrent layers: the bytes pay for the
+    seats first, then the blocks (``_split_pool``); a reduced --max-num-seqs is said."""
+    cache, model = config.cache, config.model
+    budget = max(0, kv_bytes)
+    flag = f"--gpu-memory-utilization {cache.gpu_memory_utilization}"
+    wanted = config.scheduler.max_num_seqs
+    num_blocks, seats = _split_pool(budget, cache.bytes_per_block, cache.bytes_per_seat,
+                                    wanted, model.max_model_len, cache.block_size, flag,
+                                    fitted=False)
+    if (line := _seat_line(wanted, seats, num_blocks, budget, cache.bytes_per_seat,
+                           cache.layout, flag)):
+        log(line)
+    cache = dataclasses.replace(cache, num_blocks=num_blocks, num_seats=seats)
+    how = ("the model's max_position_embeddings; --max-model-len sets it"
+           if model.max_model_len_fitted else "--max-model-len")
+    log(f"KV cache: {num_blocks} blocks x {cache.block_size} tokens = {cache.num_tokens} "
+        f"tokens, {num_blocks * cache.bytes_per_block} bytes "
+        f"({kv_cache_dtype_name(cache.kv_cache_dtype)}, sized by {flag}: {breakdown})"
+        f"{_seats_part(cache)}; max_model_len {model.max_model_len} ({how})")
+    scheduler = dataclasses.replace(config.scheduler, max_num_seqs=seats)
+    return dataclasses.replace(config, cache=cache, scheduler=scheduler)

@@ -14,6 +14,7 @@ from vllmpy.attention.backend import FP8_KV_DTYPE, AttentionBackend
 from vllmpy.attention.cpu_backend import CpuAttentionBackend
 from vllmpy.attention.metadata import AttentionMetadata
 from vllmpy.config import log
+from vllmpy.core.cache_spec import PagedKVSpec
 from vllmpy.layers.linear import Linear, PackedLinear
 from vllmpy.layers.norm import RMSNorm
 
@@ -46,6 +47,10 @@ class Attention(nn.Module):
         self.k_scale = 1.0
         self.v_scale = 1.0
         self.loaded_scales: set[str] = set()  # "k_scale" / "v_scale" read from the checkpoint
+
+    def cache_spec(self) -> PagedKVSpec:
+        """What the layer caches: paged keys and values (``vllmpy.core.cache_spec``)."""
+        return PagedKVSpec(self.num_kv_heads, self.head_dim, self.sliding_window)
 
     def _backend(self, cls: type[AttentionBackend], **extra: Any) -> AttentionBackend:
         return cls(self.num_heads, self.num_kv_heads, self.head_dim,  # type: ignore[call-arg]

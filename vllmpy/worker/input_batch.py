@@ -36,6 +36,8 @@ class StepInputs:
     # tokens, requests in order. None in a step without drafts.
     num_drafts: list[int] | None = None
     spec_logits_indices: np.ndarray | None = None
+    # Hybrid models: [num_reqs] int32, each request's recurrent-state seat (None without)
+    state_indices: np.ndarray | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -53,6 +55,8 @@ class InputBatch:
         self.num_computed = np.zeros(max_num_reqs, dtype=np.int32)
         self.block_table = np.zeros((max_num_reqs, self.max_blocks), dtype=np.int32)
         self.num_blocks = np.zeros(max_num_reqs, dtype=np.int32)
+        # each row's recurrent-state seat (-1: none; only hybrid models give seats)
+        self.seats = np.full(max_num_reqs, -1, dtype=np.int32)
         self.req_ids: list[str] = []
         self.index: dict[str, int] = {}
 
@@ -62,7 +66,7 @@ class InputBatch:
     # ---- diffs ------------------------------------------------------------------------
 
     def add(self, req_id: str, token_ids: list[int], block_ids: list[int],
-            num_computed: int) -> int:
+            num_computed: int, seat: int = -1) -> int:
         if req_id in self.index:
             raise ValueError(f"request {req_id!r} is already in the batch")
         row = len(self.req_ids)
@@ -78,6 +82,7 @@ class InputBatch:
         self.num_tokens[row] = n
         self.num_computed[row] = num_computed
         self.num_blocks[row] = 0
+        self.seats[row] = seat
         self.append_blocks(row, block_ids)
         return row
 
@@ -96,6 +101,7 @@ class InputBatch:
             self.num_tokens[row] = n
             self.num_blocks[row] = nb
             self.num_computed[row] = self.num_computed[last]
+            self.seats[row] = self.seats[last]
         self.req_ids.pop()
 
     def append_blocks(self, row: int, block_ids: list[int]) -> None:
@@ -176,6 +182,7 @@ class InputBatch:
                             + np.arange(int(per.sum())) - np.repeat(np.cumsum(per) - per, per))
         seq_lens = ends.astype(np.int32)
         width = int(self.num_blocks[rows].max())
+        seats = self.seats[rows]
         return StepInputs(
             input_ids=input_ids,
             positions=positions,
@@ -191,4 +198,5 @@ class InputBatch:
             unknown_reqs=np.asarray(unknown_reqs).tolist(),
             num_drafts=None if drafts is None else drafts[sample_rows].tolist(),
             spec_logits_indices=spec_indices,
+            state_indices=seats if len(seats) and seats[0] >= 0 else None,
         )

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from vllmpy.config import EngineConfig, log
+from vllmpy.core.cache_spec import CacheLayout, CacheSpec, RecurrentStateSpec
 from vllmpy.core.sched_output import (
     LogprobsLists,
     ModelRunnerOutput,
@@ -109,6 +110,11 @@ class ModelRunner(StartupMixin):
         self._told_no_drafts = False
         # A pooling runner: each step's requests are pooled, none samples (set by load_model)
         self.pooler: Any = None
+        # Hybrid models: the free recurrent-state seats, each running request's seat and
+        # the modules holding states (set by initialize_kv_cache)
+        self._free_seats: list[int] = []
+        self._seat_of: dict[str, int] = {}
+        self._states: list[torch.Tensor] = []  # every recurrent layer's state tensors
 
     # ---- start-up -------------------------------------------------------------------
 
@@ -185,20 +191,30 @@ class ModelRunner(StartupMixin):
             log(line)
 
     def initialize_kv_cache(self) -> None:
-        """Allocate the paged pool and bind one cache tensor to every attention layer."""
+        """Allocate the pool as the model's cache layout says (``vllmpy.core.cache_spec``):
+        one paged tensor per attention or MLA layer, bound to it, and on hybrid models one
+        set of recurrent-state seats per recurrent layer."""
         assert self.model is not None
         cache = self.config.cache
-        text = self.config.model.text_config
-        shape = (2, cache.num_blocks, cache.block_size, text.num_key_value_heads,
-                 text.head_dim)
-        assert isinstance(self.model, nn.Module)
-        layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        modules, specs = self._cache_modules()
         with self._load_stats.phase("kv_cache"):
-            self.kv_caches = [torch.zeros(shape, dtype=cache.kv_cache_dtype, device=self.device)
-                              for _ in layers]
+            self.kv_caches = []
+            for module, spec in zip(modules, specs):
+                if isinstance(spec, RecurrentStateSpec):
+                    states = spec.allocate(cache.num_seats, self.config.model.dtype,
+                                           cache.ssm_cache_dtype, self.device)
+                    self._states.extend(states.values())
+                    module.bind_state(states)
+                else:
+                    kv = torch.zeros(spec.cache_shape(cache.num_blocks, cache.block_size),
+                                     dtype=cache.kv_cache_dtype, device=self.device)
+                    self.kv_caches.append(kv)
+                    module.bind(kv)
         self._load_stats.report()
-        for layer, kv in zip(layers, self.kv_caches):
-            layer.bind(kv)
+        if cache.num_seats:
+            self._free_seats = list(range(cache.num_seats - 1, -1, -1))  # pop() gives 0 first
+            self.buffers.enable_seats(cache.num_seats)
+        layers = self._attention_layers()
         if self.proposer is not None:
             self.proposer.initialize_kv_cache()
         from vllmpy.layers.attention import report_kv_scales
@@ -211,14 +227,53 @@ class ModelRunner(StartupMixin):
 
         reset_moe_stats(self.model)  # VT_MOE_STATS counts from here: requests, no warm-up
 
+    def _cache_modules(self) -> tuple[list[nn.Module], list[CacheSpec]]:
+        """The model's caching modules (those with ``cache_spec()``) in model order, and
+        their specs; refused unless they are what the config declared (the pool was sized
+        from the config's)."""
+        assert isinstance(self.model, nn.Module)
+        modules = [m for m in self.model.modules() if callable(getattr(m, "cache_spec", None))]
+        specs = [m.cache_spec() for m in modules]
+        declared = list(self.config.model.text_config.layer_cache_specs())
+        if specs != declared:
+            built = CacheLayout(tuple(specs)).describe()
+            said = CacheLayout(tuple(declared)).describe()
+            raise RuntimeError(f"{type(self.model).__name__}: its caching layers ({built}) are "
+                               f"not the ones its config declares ({said}): {specs} != "
+                               f"{declared}")
+        return modules, specs
+
     def _attention_layers(self) -> list[Attention]:
         assert isinstance(self.model, nn.Module)
         return [m for m in self.model.modules() if isinstance(m, Attention)]
 
     def _bind_kv_caches(self, caches: list[torch.Tensor]) -> None:
-        """Give every attention layer its cache (and on CUDA the Triton backend)."""
-        for layer, kv in zip(self._attention_layers(), caches):
+        """Give every paged layer its cache (and on CUDA the Triton backend), in model
+        order."""
+        modules, specs = self._cache_modules()
+        paged = [m for m, spec in zip(modules, specs) if not isinstance(spec, RecurrentStateSpec)]
+        for layer, kv in zip(paged, caches):
             layer.bind(kv)
+
+    # ---- recurrent-state seats (hybrid models) ---------------------------------------
+
+    def _take_seat(self, req_id: str) -> int:
+        """A seat for a request entering the batch, its state zeroed (a request back from
+        preemption recomputes its state from its first token)."""
+        if not self._free_seats:
+            raise RuntimeError(f"request {req_id!r}: every one of the "
+                               f"{self.config.cache.num_seats} recurrent-state seats is taken "
+                               f"(the scheduler admits at most max_num_seqs requests)")
+        seat = self._free_seats.pop()
+        self._seat_of[req_id] = seat
+        for tensor in self._states:
+            tensor[seat].zero_()
+        return seat
+
+    def _give_back_seat(self, req_id: str) -> None:
+        seat = self._seat_of.pop(req_id, None)
+        if seat is not None:
+            self._free_seats.append(seat)
 
     def _capture_graphs(self) -> None:
         torch.cuda.empty_cache()  # as capture does: what grows after this is the graphs'
@@ -249,9 +304,10 @@ class ModelRunner(StartupMixin):
 
     def _update_states(self, out: SchedulerOutput) -> None:
         batch = self.input_batch
-        for req_id in out.finished_req_ids:
+        for req_id in out.finished_req_ids:  # finished, aborted or preempted
             self.requests.pop(req_id, None)
             batch.remove(req_id)
+            self._give_back_seat(req_id)
             if self.proposer is not None:
                 self.proposer.forget(req_id)
         for new in out.scheduled_new_reqs:
@@ -260,8 +316,12 @@ class ModelRunner(StartupMixin):
             state = self._new_state(new)
             self.requests[new.req_id] = state
             batch.remove(new.req_id)  # a preempted request may come back before it left
+            seat = -1
+            if self._states:
+                self._give_back_seat(new.req_id)
+                seat = self._take_seat(new.req_id)
             batch.add(new.req_id, state.prompt_token_ids + state.output_token_ids,
-                      state.block_ids, new.num_computed_tokens)
+                      state.block_ids, new.num_computed_tokens, seat)
         cached = out.scheduled_cached_reqs
         appended = cached.new_token_ids or [[]] * len(cached.req_ids)
         for req_id, new_blocks, computed, tokens in zip(

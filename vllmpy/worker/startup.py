@@ -19,6 +19,7 @@ from torch import nn
 
 from vllmpy.attention.metadata import AttentionMetadata
 from vllmpy.config import EngineConfig, log
+from vllmpy.core.cache_spec import CacheSpec, RecurrentStateSpec
 from vllmpy.layers.attention import Attention
 from vllmpy.loader.load_stats import LoadStats
 from vllmpy.models.interface import CausalLM
@@ -71,6 +72,9 @@ class StartupMixin:
     def _bind_kv_caches(self, caches: list[torch.Tensor]) -> None:
         raise NotImplementedError  # ModelRunner's
 
+    def _cache_modules(self) -> tuple[list[nn.Module], list[CacheSpec]]:
+        raise NotImplementedError  # ModelRunner's
+
     def _start_kernel_compiler(self) -> None:
         """The compile workers: those the engine-core process started before its imports
         (vllmpy.engine.core_launch), or new ones."""
@@ -105,8 +109,7 @@ class StartupMixin:
                         self._profile_forward(self._fresh_seq_lens(tokens), 0)
                     else:
                         self._record_generate_steps(tokens)
-                for layer in self._attention_layers():
-                    layer.kv_cache = None
+                self._drop_scratch_caches()
                 report = compiler.compile(variants)
         finally:
             compiler.close()
@@ -141,15 +144,33 @@ class StartupMixin:
                        sched.max_num_seqs, self.config.model.max_model_len,
                        sched.max_num_batched_tokens).warm_up()
 
-    def _scratch_caches(self, tokens: int) -> list[torch.Tensor]:
-        """Small KV caches for start-up forwards of up to ``tokens`` tokens (only padding
-        slots, so nothing is ever written to them)."""
+    def _drop_scratch_caches(self) -> None:
+        """Let go of ``_scratch_caches``' tensors (recurrent layers keep one seat each)."""
         cache = self.config.cache
-        text = self.config.model.text_config
+        for module, spec in zip(*self._cache_modules()):
+            if isinstance(spec, RecurrentStateSpec):
+                module.bind_state(spec.allocate(0, self.config.model.dtype,
+                                                cache.ssm_cache_dtype, self.device))
+            else:
+                module.kv_cache = None
+
+    def _scratch_caches(self, tokens: int) -> list[torch.Tensor]:
+        """Small caches for start-up forwards of up to ``tokens`` tokens (only padding
+        slots, so nothing is ever written to them): one per paged layer; on hybrid models
+        the recurrent layers get scratch seats too, one per request such a forward has."""
+        cache = self.config.cache
         blocks = -(-tokens // self.block_size) + 1
-        return [torch.zeros((2, blocks, self.block_size, text.num_key_value_heads,
-                             text.head_dim), dtype=cache.kv_cache_dtype, device=self.device)
-                for _ in self._attention_layers()]
+        modules, specs = self._cache_modules()
+        seats = max(self.config.scheduler.max_num_seqs, len(self._fresh_seq_lens(tokens)))
+        caches = []
+        for module, spec in zip(modules, specs):
+            if isinstance(spec, RecurrentStateSpec):
+                module.bind_state(spec.allocate(seats, self.config.model.dtype,
+                                                cache.ssm_cache_dtype, self.device))
+            else:
+                caches.append(torch.zeros(spec.cache_shape(blocks, self.block_size),
+                                          dtype=cache.kv_cache_dtype, device=self.device))
+        return caches
 
     @torch.inference_mode()
     def profile_kv_budget(self) -> tuple[int, str]:
@@ -180,8 +201,7 @@ class StartupMixin:
                 torch.cuda.reset_peak_memory_stats(self.device)
                 self._profile_step(self._fresh_seq_lens(mixed[-1]), sample=1)
                 graphs = max(graphs, torch.cuda.max_memory_allocated(self.device) - base)
-        for layer in self._attention_layers():
-            layer.kv_cache = None
+        self._drop_scratch_caches()
         del scratch
         gc.collect()
         torch.cuda.empty_cache()
@@ -226,6 +246,9 @@ class StartupMixin:
             max_query_len=max(seq_lens),
             max_seq_len=max(seq_lens),
         )
+        if self.config.cache.num_seats:  # the scratch seats of _scratch_caches
+            meta.state_indices = torch.arange(n, dtype=torch.int32, device=dev)
+            meta.state_indices_cpu = list(range(n))
         ids = torch.zeros(total, dtype=torch.int64, device=dev)
         pos = torch.cat([torch.arange(length, device=dev) for length in seq_lens])
         hidden = self.model(ids, pos, meta)

@@ -47,12 +47,27 @@ class StepBuffers:
         # the [rows, width] block tables last copied into block_tables (None: unknown)
         self._tables: np.ndarray | None = None
         self.sampled = torch.zeros(max_seqs, dtype=torch.int64, device=device)
+        # Hybrid models (``enable_seats``): each request's recurrent-state seat; padding
+        # requests get the scratch seat (num_seats). None without recurrent layers.
+        self.num_seats = 0
+        self.state_indices: torch.Tensor | None = None
+        self._seats_host: torch.Tensor | None = None
+        self._seats_cpu: list[int] = []
         if cuda:
             from vllmpy.ops.step_inputs import unpack_step_inputs
 
             self._unpack = unpack_step_inputs
         else:
             self._unpack = unpack_step_inputs_ref
+
+    def enable_seats(self, num_seats: int) -> None:
+        """Carry each step's recurrent-state seats (``AttentionMetadata.state_indices``)."""
+        cuda = self.device.type == "cuda"
+        self.num_seats = num_seats
+        self._seats_host = torch.full((self.max_seqs,), num_seats, dtype=torch.int32,
+                                      pin_memory=cuda)
+        self.state_indices = (torch.full((self.max_seqs,), num_seats, dtype=torch.int32,
+                                         device=self.device) if cuda else self._seats_host)
 
     @property
     def max_tokens(self) -> int:
@@ -96,6 +111,18 @@ class StepBuffers:
         if self.packed is not self.host:
             self.packed[:used].copy_(self.host[:used], non_blocking=True)
         self._copy_tables(step.block_tables)
+        if self.state_indices is not None:
+            self._copy_seats(step.state_indices, seqs)
+
+    def _copy_seats(self, seats: np.ndarray | None, rows: int) -> None:
+        assert self._seats_host is not None and self.state_indices is not None
+        host = self._seats_host.numpy()
+        k = 0 if seats is None else len(seats)
+        host[:k] = seats if seats is not None else ()
+        host[k:rows] = self.num_seats
+        self._seats_cpu = host[:rows].tolist()
+        if self.state_indices is not self._seats_host:
+            self.state_indices[:rows].copy_(self._seats_host[:rows], non_blocking=True)
 
     def stage_padding(self, tokens: int, seqs: int, decode: bool = False) -> None:
         """A step of padding only (``tokens`` x ``seqs``), as graphs are warmed up and
@@ -141,4 +168,8 @@ class StepBuffers:
             block_size=self.block_size,
             max_query_len=max_query_len,
             max_seq_len=max_seq_len,
+            state_indices=(None if self.state_indices is None
+                           else self.state_indices[:seqs]),
+            state_indices_cpu=(None if self.state_indices is None
+                               else self._seats_cpu[:seqs]),
         )
