@@ -62,24 +62,25 @@ def make_batch(reqs, heads, lat, rope, block_size, dtype, seed=0):
         block_tables=tables.to(DEVICE))
 
 
-def run(batch, reqs, **kwargs):
+def run(batch, reqs, scale=0.3, **kwargs):
     out = torch.full_like(batch["q_lat"], 7.0)
-    absorbed_attention(out=out, scale=0.3, max_query_len=max(q for q, _ in reqs),
+    absorbed_attention(out=out, scale=scale, max_query_len=max(q for q, _ in reqs),
                        max_seq_len=max(s for _, s in reqs), **batch, **kwargs)
     return out
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("num_splits", [None, 1, 4])
-@pytest.mark.parametrize("heads,lat,rope", [(4, 32, 16), (20, 24, 8)])
+@pytest.mark.parametrize("heads,lat,rope", [(4, 32, 16), (20, 24, 8)]
+                         + ([(16, 512, 64), (128, 512, 64)] if CUDA else []))
 def test_absorbed_attention_matches_reference_on_a_mixed_batch(dtype, num_splits, heads,
                                                                lat, rope):
     """Decodes, a chunk after context and a prefill in one launch (heads over two head
     blocks and widths that are no power of two in the second shape), with and without
     split-KV."""
-    batch = make_batch(MIXED, heads, lat, rope, 4, dtype)
-    ref = absorbed_attention_ref(scale=0.3, **batch)
-    out = run(batch, MIXED, num_splits=num_splits)
+    batch = make_batch(MIXED, heads, lat, rope, 4 if lat < 512 else 16, dtype)
+    ref = absorbed_attention_ref(scale=0.3 if lat < 512 else lat ** -0.5, **batch)
+    out = run(batch, MIXED, num_splits=num_splits, scale=0.3 if lat < 512 else lat ** -0.5)
     torch.testing.assert_close(out.float(), ref.float(), atol=TOL[dtype], rtol=TOL[dtype])
 
 
