@@ -249,6 +249,9 @@ def _startup_line(args: EngineArgs, cache: CacheConfig, max_model_len: int, how:
     elem = cache.kv_cache_dtype.itemsize
     sized = (f", sized by --kv-cache-memory {args.kv_cache_memory}"
              if args.kv_cache_memory is not None else "")
+    if cache.num_seats and not cache.bytes_per_block:  # every layer recurrent
+        return (f"KV cache: no paged layers{sized}{_seats_part(cache)}; max_model_len "
+                f"{max_model_len} ({how})")
     return (f"KV cache: {cache.num_blocks} blocks x {cache.block_size} tokens = "
             f"{cache.num_tokens} tokens, {cache.num_blocks * cache.bytes_per_block} bytes "
             f"({kv_cache_dtype_name(cache.kv_cache_dtype)}, {elem}-byte values{sized})"
