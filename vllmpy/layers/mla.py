@@ -81,15 +81,17 @@ class LatentAttention(nn.Module):
 
     def bind(self, kv_cache: torch.Tensor, **backend_args: Any) -> None:
         """Give the layer its cache and the backend of the cache's device (the Triton one
-        on CUDA; ``backend_args`` go to it, e.g. a fixed ``num_splits``), and read the
-        up-projection's per-head matrices from the loaded ``kv_b_proj``."""
+        on CUDA; ``backend_args`` go to it, e.g. a fixed ``num_splits``); the first bind
+        also reads the up-projection's per-head matrices from the loaded ``kv_b_proj``."""
         width = self.dims.latent_dim
         if kv_cache.dim() != 3 or kv_cache.shape[2] != width:
             raise ValueError(f"MLA cache must be [num_blocks, block_size, {width}] "
                              f"(kv_lora_rank + qk_rope_head_dim), got {tuple(kv_cache.shape)}")
         self.kv_cache = kv_cache
-        probe = self.get_buffer("_dtype_probe")
-        self.up = UpProjection.of(self._kv_b_proj[0], self.dims, probe.dtype, kv_cache.device)
+        if self.up is None or self.up.w_uk.device != kv_cache.device:  # read once
+            probe = self.get_buffer("_dtype_probe")
+            self.up = UpProjection.of(self._kv_b_proj[0], self.dims, probe.dtype,
+                                      kv_cache.device)
         if kv_cache.is_cuda:
             from vllmpy.attention.mla_triton_backend import TritonMLABackend
 
