@@ -94,7 +94,7 @@ _MODELS: dict[str, ModelEntry] = {
     "Qwen3_5MoeForCausalLM": ModelEntry("qwen3_next", "Qwen3_5MoeConfig",
                                         "Qwen3NextForCausalLM"),
     "DeepseekV2ForCausalLM": ModelEntry("deepseek_v2", "DeepseekV2Config",
-                                        "DeepseekV2ForCausalLM", gguf="deepseek2"),
+                                        "DeepseekV2ForCausalLM"),
     "DeepseekV3ForCausalLM": ModelEntry("deepseek_v2", "DeepseekV3Config",
                                         "DeepseekV2ForCausalLM"),
     # encoder-only models: the pooling runner (embeddings, classification, scores)
