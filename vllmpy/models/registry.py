@@ -81,8 +81,7 @@ _MODELS: dict[str, ModelEntry] = {
     "InternLM3ForCausalLM": ModelEntry("internlm3", "InternLM3Config", "LlamaForCausalLM"),
     # hybrid and latent-attention models: recurrent-state seats and MLA latents
     # (vllmpy.core.cache_spec)
-    "Mamba2ForCausalLM": ModelEntry("mamba2", "Mamba2Config", "Mamba2ForCausalLM",
-                                    gguf="mamba2"),
+    "Mamba2ForCausalLM": ModelEntry("mamba2", "Mamba2Config", "Mamba2ForCausalLM"),
     "NemotronHForCausalLM": ModelEntry("nemotron_h", "NemotronHConfig",
                                        "NemotronHForCausalLM"),
     "GraniteMoeHybridForCausalLM": ModelEntry("granite_moe_hybrid", "GraniteMoeHybridConfig",
