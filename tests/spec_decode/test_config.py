@@ -47,7 +47,7 @@ def test_method_is_inferred_from_the_model():
     ({"method": "draft_model", "model": "m", "num_speculative_tokens": 2,
       "draft_tensor_parallel_size": 2}, "draft_tensor_parallel_size 2"),
     ({"method": "medusa", "num_speculative_tokens": 2}, "'medusa' is not supported yet"),
-    ({"method": "mtp", "num_speculative_tokens": 1}, "'mtp' is not supported yet"),
+    ({"method": "suffix", "num_speculative_tokens": 1}, "'suffix' is not supported yet"),
     ({"method": "magic", "num_speculative_tokens": 2}, "unknown method 'magic'"),
     ({"num_speculative_tokens": 2}, "name a method"),
 ])

@@ -23,11 +23,11 @@ METHODS: dict[str, str] = {
     "draft_model": "draft_model",
     "eagle": "eagle",
     "eagle3": "eagle",
+    "mtp": "mtp",
+    "deepseek_mtp": "mtp",
 }
 # Methods vLLM knows that this engine does not run yet, with what is missing.
 NOT_BUILT: dict[str, str] = {
-    "mtp": "no multi-token-prediction layers are wired",
-    "deepseek_mtp": "no multi-token-prediction layers are wired",
     "medusa": "no Medusa heads are built",
     "mlp_speculator": "no MLP speculator is built",
     "suffix": "no suffix-tree proposer is built",
@@ -53,7 +53,8 @@ class SpeculativeConfig:
 
     method: str  # one of METHODS
     num_speculative_tokens: int  # k: drafts proposed (and verified) per request and step
-    # draft_model: the draft checkpoint (directory, .gguf, repo id); eagle/eagle3: the head
+    # draft_model: the draft checkpoint (directory, .gguf, repo id); eagle/eagle3: the head;
+    # mtp/deepseek_mtp: None or the target itself (its own MTP layers are read)
     model: str | None = None
     prompt_lookup_min: int | None = None  # ngram: shortest suffix matched
     prompt_lookup_max: int | None = None  # ngram: longest suffix matched
@@ -68,7 +69,9 @@ class SpeculativeConfig:
                          f"{self.prompt_lookup_max})",
                 "draft_model": f"draft model {self.model}",
                 "eagle": f"EAGLE head {self.model}",
-                "eagle3": f"EAGLE-3 head {self.model}"}[self.method]
+                "eagle3": f"EAGLE-3 head {self.model}",
+                "mtp": "the target's MTP layer",
+                "deepseek_mtp": "the target's MTP layer"}[self.method]
         return f"speculative decoding: {what}, {self.num_speculative_tokens} tokens per step"
 
     @classmethod
@@ -114,7 +117,7 @@ class SpeculativeConfig:
                 if data[key] is not None:
                     raise ConfigError(f"{FLAG}: {key} applies to method 'ngram' only, "
                                       f"not {method!r}")
-            if data["model"] is None:
+            if data["model"] is None and method not in ("mtp", "deepseek_mtp"):
                 what = ("draft checkpoint (a directory, a .gguf file or a repo id)"
                         if method == "draft_model"
                         else "EAGLE head (a directory or a repo id)")

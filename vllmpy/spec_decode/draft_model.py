@@ -82,7 +82,7 @@ class ModelProposer(Proposer):
         except QuantizationError as e:
             raise ConfigError(f"{FLAG}: {what}: {e}") from None
         stats = LoadStats()
-        self.model = runner.build_model(source, text, quant, stats, model_cls=model_cls)
+        self.model = self._build(source, text, quant, stats, model_cls)
         sched = runner.config.scheduler
         self.budget = sched.max_num_batched_tokens
         self.buffers = StepBuffers(runner.device,
@@ -91,6 +91,11 @@ class ModelProposer(Proposer):
                                    runner.block_size)
         self.kv_caches: list[torch.Tensor] = []
         return sum(stats.seconds.values())
+
+    def _build(self, source: ModelSource, text: Any, quant: Any, stats: LoadStats,
+               model_cls: Any) -> Any:
+        """The proposer's model, built and loaded (the runner's way by default)."""
+        return self.runner.build_model(source, text, quant, stats, model_cls=model_cls)
 
     def _inputs(self, step: StepInputs) -> tuple[torch.Tensor, torch.Tensor, Any]:
         """``step`` staged in the proposer's buffers: (ids, positions, attention
