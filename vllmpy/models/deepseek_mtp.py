@@ -22,6 +22,7 @@ import dataclasses
 import os
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -83,9 +84,9 @@ class DeepseekMTP(nn.Module):
         self.eh_proj = Linear(2 * h, h)
         self.mtp_block = DeepseekV2DecoderLayer(config, 0)
         self.shared_head = SharedHead(config)
-        self._target: list[nn.Module] = []  # the target model, for what the head shares
+        self._target: list[Any] = []  # the target model, for what the head shares
 
-    def share(self, target: nn.Module) -> None:
+    def share(self, target: Any) -> None:
         """Use the target's embeddings and LM head where the checkpoint has none."""
         self._target = [target]
 
@@ -95,7 +96,7 @@ class DeepseekMTP(nn.Module):
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.embed_tokens is not None:
             return self.embed_tokens(input_ids)
-        return self._target[0].model.embed_tokens(input_ids)  # type: ignore[operator]
+        return self._target[0].model.embed_tokens(input_ids)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 hidden_states: torch.Tensor, attn_metadata: AttentionMetadata
@@ -110,7 +111,7 @@ class DeepseekMTP(nn.Module):
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         normed = self.shared_head.norm(hidden_states)
         if self.shared_head.head is None:
-            return self._target[0].compute_logits(normed)  # type: ignore[operator]
+            return self._target[0].compute_logits(normed)
         return head_logits(self.shared_head.head, None, normed)  # type: ignore[arg-type]
 
     def draft_ids(self, hidden_states: torch.Tensor) -> torch.Tensor:

@@ -79,7 +79,9 @@ def head_config(config: SpeculativeConfig, mc: Any) -> DeepseekMTPConfig:
                           f"{config.model!r}: leave model out (or name the target)")
     n = target.num_hidden_layers
     # the MTP layer is layer n of the same stack: as many layers read, its own MLP kind
-    sparse = text_config({**mc.hf_config, "num_hidden_layers": n + 1}).sparse_layers[n]
+    stack = text_config({**mc.hf_config, "num_hidden_layers": n + 1})
+    assert isinstance(stack, DeepseekV3Config)
+    sparse = stack.sparse_layers[n]
     has_embed = has_head = False
     if mc.source_kind == "hf_dir":
         names = mtp_tensor_names(mc.path, n)
