@@ -125,6 +125,7 @@ def _chunked_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Ten
     """One request's tokens (prepared float32 q, k [L, Hv, dk], v [L, Hv, dv], g and beta
     [L, Hv]) from state s [Hv, dk, dv] float32: (o [L, Hv, dv], the state after)."""
     length = q.shape[0]
+    chunk = min(chunk, length)  # a short request is one chunk of its own length
     pad = -length % chunk
     # [Hv, chunks, C, ...]; the padded tokens (g = beta = 0, k = v = 0) change nothing
     q, k, v = (F.pad(x.transpose(0, 1), (0, 0, 0, pad)) for x in (q, k, v.float()))
