@@ -148,6 +148,22 @@ def test_sigmoid_output_gate_matches_transformers(tmp_path):
     assert_matches_transformers(model, hf_model, _prompts(3, 5), 24, min_tokens=3 * 12)
 
 
+def test_mtp_tensors_are_left_to_the_proposer(tmp_path):
+    """A checkpoint carrying its multi-token-prediction head (``mtp.*``) loads: those
+    tensors are not the target model's (an unknown tensor would be refused by name)."""
+    import safetensors.torch as st
+
+    _make("qwen3_next", tmp_path)
+    file = tmp_path / "model.safetensors"
+    tensors = st.load_file(str(file))
+    st.save_file({**tensors, "mtp.fc.weight": torch.zeros(64, 128),
+                  "mtp.layers.0.input_layernorm.weight": torch.zeros(64)}, str(file))
+    build(tmp_path, num_seats=1)
+    st.save_file({**tensors, "model.mtp_fc.weight": torch.zeros(64, 128)}, str(file))
+    with pytest.raises(ValueError, match="'model.mtp_fc.weight' has no matching"):
+        build(tmp_path, num_seats=1)
+
+
 def _read(variant: str, **changes):
     arch, _, kwargs = VARIANTS[variant]
     cfg = {**kwargs, "architectures": [arch], **changes}
