@@ -88,7 +88,7 @@ _MODELS: dict[str, ModelEntry] = {
                                               "GraniteMoeHybridForCausalLM"),
     "FalconH1ForCausalLM": ModelEntry("falcon_h1", "FalconH1Config", "FalconH1ForCausalLM"),
     "Qwen3NextForCausalLM": ModelEntry("qwen3_next", "Qwen3NextConfig",
-                                       "Qwen3NextForCausalLM", gguf="qwen3next"),
+                                       "Qwen3NextForCausalLM"),
     "Qwen3_5ForCausalLM": ModelEntry("qwen3_next", "Qwen3_5Config", "Qwen3NextForCausalLM"),
     "Qwen3_5MoeForCausalLM": ModelEntry("qwen3_next", "Qwen3_5MoeConfig",
                                         "Qwen3NextForCausalLM"),
