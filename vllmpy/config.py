@@ -57,6 +57,8 @@ class TextModelConfig:
         families override it (recurrent states, MLA latents)."""
         from vllmpy.core.cache_spec import PagedKVSpec
 
+        if self.ENCODER_ONLY:  # attention over each step's whole prompts: nothing cached
+            return ()
         return tuple(PagedKVSpec(self.num_key_value_heads, self.head_dim, window)
                      for window in self.layer_windows)
 
