@@ -104,8 +104,9 @@ def test_aborted_requests_count_as_abort_with_their_tokens(metrics_server):
                                stop_after=5 + i) for i in range(4)]
     after = None
     for _ in range(100):  # the server notices each disconnect within a step or two
-        after = scrape(s)
-        if delta(after, before, "vllm:request_success_total", finished_reason="abort") == 4:
+        after = scrape(s)  # (the running gauge is published with the step after the last)
+        if (delta(after, before, "vllm:request_success_total", finished_reason="abort") == 4
+                and after[("vllm:num_requests_running", ())] == 0):
             break
     assert after is not None
     assert delta(after, before, "vllm:request_success_total", finished_reason="abort") == 4
