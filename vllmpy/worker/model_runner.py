@@ -227,7 +227,7 @@ class ModelRunner(StartupMixin):
 
         reset_moe_stats(self.model)  # VT_MOE_STATS counts from here: requests, no warm-up
 
-    def _cache_modules(self) -> tuple[list[nn.Module], list[CacheSpec]]:
+    def _cache_modules(self) -> tuple[list[Any], list[CacheSpec]]:
         """The model's caching modules (those with ``cache_spec()``) in model order, and
         their specs; refused unless they are what the config declared (the pool was sized
         from the config's)."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import gc
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 from torch import nn
@@ -72,7 +73,7 @@ class StartupMixin:
     def _bind_kv_caches(self, caches: list[torch.Tensor]) -> None:
         raise NotImplementedError  # ModelRunner's
 
-    def _cache_modules(self) -> tuple[list[nn.Module], list[CacheSpec]]:
+    def _cache_modules(self) -> tuple[list[Any], list[CacheSpec]]:
         raise NotImplementedError  # ModelRunner's
 
     def _start_kernel_compiler(self) -> None:
