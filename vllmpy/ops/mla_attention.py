@@ -54,6 +54,7 @@ from vllmpy.ops.paged_attention import (
     merge_partials,
     num_multiprocessors,
     online_softmax,
+    owning_request,
     partial_buffers,
     store_normalized,
     store_partial,
@@ -160,18 +161,8 @@ def _absorbed_attention_kernel(
     head_block = tl.program_id(1)
     split = tl.program_id(2)
 
-    # The request owning this block: the last i with query_start[i] // BLOCK_Q + i <= q_block.
-    lo = 0
-    hi = num_seqs
-    while lo < hi:
-        mid = (lo + hi) // 2
-        right = tl.load(query_start_ptr + mid) // BLOCK_Q + mid <= q_block
-        lo = tl.where(right, mid + 1, lo)
-        hi = tl.where(right, hi, mid)
-    seq = lo - 1
-    q_start = tl.load(query_start_ptr + seq)
-    q_len = tl.load(query_start_ptr + seq + 1) - q_start
-    local_block = q_block - (q_start // BLOCK_Q + seq)
+    seq, q_start, q_len, local_block = owning_request(query_start_ptr, num_seqs, q_block,
+                                                      BLOCK_Q)
     if local_block * BLOCK_Q >= q_len or q_len > max_absorbed:
         return
     seq_len = tl.load(seq_lens_ptr + seq)

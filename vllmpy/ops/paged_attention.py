@@ -172,6 +172,24 @@ def reshape_and_cache_ref(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tens
 # Pieces the attention kernels share (this module's and vllmpy.ops.decode_attention's).
 
 @triton.jit
+def owning_request(query_start_ptr, num_seqs, q_block, BLOCK_Q: tl.constexpr):
+    """The request owning query block ``q_block`` of a step whose request i starts at block
+    query_start[i] // BLOCK_Q + i (the last such i at or before it): (its index, its first
+    query row, its query length, the block's index within the request)."""
+    lo = 0
+    hi = num_seqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        right = tl.load(query_start_ptr + mid) // BLOCK_Q + mid <= q_block
+        lo = tl.where(right, mid + 1, lo)
+        hi = tl.where(right, hi, mid)
+    seq = lo - 1
+    q_start = tl.load(query_start_ptr + seq)
+    q_len = tl.load(query_start_ptr + seq + 1) - q_start
+    return seq, q_start, q_len, q_block - (q_start // BLOCK_Q + seq)
+
+
+@triton.jit
 def key_offsets(table_row, key_pos, key_ok, kv_head, stride_c_blk, stride_c_slot,
                 stride_c_head, BLOCK_SIZE: tl.constexpr):
     """Cache offsets [TILE] of one KV head's keys at positions key_pos of a request whose
@@ -310,18 +328,8 @@ def _paged_attention_kernel(
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
 
-    # The request owning this block: the last i with query_start[i] // BLOCK_Q + i <= q_block.
-    lo = 0
-    hi = num_seqs
-    while lo < hi:
-        mid = (lo + hi) // 2
-        right = tl.load(query_start_ptr + mid) // BLOCK_Q + mid <= q_block
-        lo = tl.where(right, mid + 1, lo)
-        hi = tl.where(right, hi, mid)
-    seq = lo - 1
-    q_start = tl.load(query_start_ptr + seq)
-    q_len = tl.load(query_start_ptr + seq + 1) - q_start
-    local_block = q_block - (q_start // BLOCK_Q + seq)
+    seq, q_start, q_len, local_block = owning_request(query_start_ptr, num_seqs, q_block,
+                                                      BLOCK_Q)
     if local_block * BLOCK_Q >= q_len:
         return
     seq_len = tl.load(seq_lens_ptr + seq)
