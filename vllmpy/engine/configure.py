@@ -136,7 +136,7 @@ def _bytes_per_block(text: TextModelConfig, block_size: int, kv_dtype: torch.dty
 
 def _ssm_cache_dtype(args: EngineArgs, dtype: torch.dtype) -> torch.dtype:
     """--mamba-ssm-cache-dtype: auto is the model's dtype (vLLM's default)."""
-    choice = getattr(args, "mamba_ssm_cache_dtype", "auto")
+    choice = args.mamba_ssm_cache_dtype
     if choice == "auto":
         return dtype
     if choice not in MAMBA_SSM_CACHE_DTYPES:
