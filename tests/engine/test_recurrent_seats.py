@@ -48,7 +48,7 @@ def _prompts(n: int) -> list[list[int]]:
 
 def _config(path, **kwargs):
     args = EngineArgs(model=str(path), skip_tokenizer_init=True, device="cpu",
-                      dtype="float32", block_size=16, **kwargs)
+                      **{"dtype": "float32", "block_size": 16, **kwargs})
     return build_engine_config(args)
 
 
@@ -111,3 +111,14 @@ def test_a_budget_without_room_for_one_sequence_is_refused(hybrid):
     with pytest.raises(ConfigError, match="speculative decoding is not supported"):
         _config(path, num_blocks=64,
                 speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+
+
+def test_the_ssm_state_dtype_flag(hybrid):
+    path, _ = hybrid
+    config = _config(path, num_blocks=64, dtype="bfloat16", mamba_ssm_cache_dtype="float32")
+    assert config.cache.ssm_cache_dtype == torch.float32
+    auto = _config(path, num_blocks=64, dtype="bfloat16")
+    assert auto.cache.ssm_cache_dtype == torch.bfloat16
+    assert config.cache.bytes_per_seat > auto.cache.bytes_per_seat  # the SSM half doubles
+    with pytest.raises(ConfigError, match="--mamba-ssm-cache-dtype 'float16'"):
+        _config(path, num_blocks=64, mamba_ssm_cache_dtype="float16")
