@@ -22,7 +22,7 @@ if [ "${SKIP_TESTS:-0}" != 1 ]; then
   grep -E "cuda bf16 graphs|^FAILED" "$OUT/families.log" | head -20
 fi
 if [ "${SKIP_SWEEP:-0}" != 1 ]; then
-  timeout 150 python3 benchmarks/moe_kernels.py > "$OUT/sweep.txt" 2>&1
+  timeout 150 python3 benchmarks/investigations/moe_kernels.py > "$OUT/sweep.txt" 2>&1
   echo "sweep rc=$?"; head -8 "$OUT/sweep.txt"; tail -2 "$OUT/sweep.txt"
 fi
 python3 benchmarks/gpu_table.py --out "$OUT/rows" --rows "$ROWS" --peer "$PEERS" \

@@ -39,7 +39,7 @@ fi
 
 step int4-tests 150 python -m pytest -q -p no:cacheprovider tests/ops/test_int4_kernels.py \
   tests/layers/test_quantized_gpu.py -k "not fp8 and not kept_blocks"
-step int4-sweep 150 python benchmarks/quant_kernels.py --sweep-int4 --only-sweeps
+step int4-sweep 150 python benchmarks/investigations/quant_kernels.py --sweep-int4 --only-sweeps
 step q4 160 python benchmarks/quant_rows.py --out "$OUT/rows" --rows Q4
 if [[ -n ${BUILD:-} ]]; then
   step q1-gguf 60 python benchmarks/quant_rows.py --write-gguf /tmp/q1.gguf

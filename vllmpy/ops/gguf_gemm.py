@@ -64,7 +64,7 @@ CHUNK = 256
 # costs the same at any M up to 16. Counted in their sm_90 code, for Q4_0, Q4_K, Q8_0 and
 # Q6_K, the GEMV issues 4.1-7.1 instructions per weight at one row, 5.5-8.8 at two and
 # 8.5-12.1 at four, the GEMM 5.5-9.1. The GEMV runs any M up to 8;
-# benchmarks/gguf_kernels.py --cutover times both kernels.
+# benchmarks/investigations/gguf_kernels.py --cutover times both kernels.
 GEMV_MAX_M = 2
 # GEMV: weight rows per program and warps per program.
 GEMV_BLOCK_N = 64

@@ -347,7 +347,7 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.T
         if rows is not None:  # a small matrix: one tile per program, loaded up front
             block_n, block_k = rows, triton.next_power_of_2(k)
             num_warps, num_stages = WHOLE_SHARE_WARPS, 1
-    # Otherwise the launches are the best of benchmarks/skinny_gemm_sweep.py
+    # Otherwise the launches are the best of benchmarks/investigations/skinny_gemm_sweep.py
     # --fused (one row, weights cold in L2) on an H200: 8 weight rows in 512-wide chunks on
     # 4 warps for the norm prologue (the qkv and gate_up projections; a long one-row norm
     # launch as ``norm_launch`` says); the down projections (SiLU prologue, long K) in

@@ -3,7 +3,7 @@ small Triton kernel, each reading the vector the one before wrote, replayed from
 graph, with and without programmatic dependent launch (vllmpy.ops.pdl). This is the floor
 under every launch of a batch-1 decode step.
 
-    python benchmarks/pdl_chain.py [--links 168]
+    python benchmarks/investigations/pdl_chain.py [--links 168]
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import argparse
 import torch
 import triton
 import triton.language as tl
-from decode_attention_sweep import time_graph  # a sibling script (benchmarks/)
+from decode_attention_sweep import time_graph  # a sibling script (benchmarks/investigations/)
 
 from vllmpy.ops.pdl import pdl_wait
 

@@ -7,7 +7,7 @@ Each case captures one CUDA graph of ``--layers`` calls, each over its own layer
 reports microseconds per layer. Qwen3 geometry, bf16, 32-token blocks, the split count the
 decode graphs use at max_model_len 40,960.
 
-    python benchmarks/decode_attention_sweep.py [--contexts 768,4096] [--layers 28]
+    python benchmarks/investigations/decode_attention_sweep.py [--contexts 768,4096] [--layers 28]
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Time the CPU quantized matmuls of ``vllmpy.ops.cpu_quant`` against the dense F.linear
 of the dequantized weight, on the matrix shapes of Qwen2.5-Coder-1.5B.
 
-    python benchmarks/cpu_quant_kernels.py --gguf Qwen2.5-Coder-1.5B-Instruct.Q4_K_M.gguf
+    python benchmarks/investigations/cpu_quant_kernels.py --gguf Qwen2.5-Coder-1.5B-Instruct.Q4_K_M.gguf
 
 For each (shape, GGUF type) it times, at each token count M: the dense weight in bfloat16
 and in float32, and ``cpu_quant.linear`` with bfloat16 activations. ``--refs`` adds

@@ -3,7 +3,7 @@ workload (1 x 512 in / 256 out, dummy weights) on copies of a config with fewer 
 layers. The intercept is what every step pays once (embedding, final norm, lm_head,
 sampling, the host's part when it is in the way); the slope is one layer's time.
 
-    python benchmarks/layer_slope.py --out DIR [--model qwen3-0.6b] [--layers 1,4,14,28]
+    python benchmarks/investigations/layer_slope.py --out DIR [--model qwen3-0.6b] [--layers 1,4,14,28]
 """
 
 from __future__ import annotations
@@ -13,17 +13,18 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 
 import numpy as np
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+BENCH_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # benchmarks/
 
 
 def config_with_layers(model: str, layers: int, into: str) -> str:
     """A copy of benchmarks/configs/MODEL under ``into`` with ``layers`` decoder layers (0:
     the config's own count); returns its directory."""
-    src = os.path.join(HERE, "configs", model)
+    src = os.path.join(BENCH_DIR, "configs", model)
     cfg_dir = os.path.join(into, f"{model}-{layers}L")
     shutil.copytree(src, cfg_dir, dirs_exist_ok=True)
     with open(os.path.join(src, "config.json")) as f:
@@ -41,7 +42,8 @@ def main() -> int:
     p.add_argument("--model", default="qwen3-0.6b")
     p.add_argument("--layers", default="1,4,14,28")
     args = p.parse_args()
-    from gpu_table import ROWS, bench_command  # a sibling script (benchmarks/)
+    sys.path.insert(0, BENCH_DIR)
+    from gpu_table import ROWS, bench_command  # benchmarks/gpu_table.py
 
     os.makedirs(args.out, exist_ok=True)
     rows = []

@@ -5,8 +5,8 @@ each request's blocks scattered over the pool. Reports the median time of one la
 attention, the KV bytes it reads per second against the device's memory bandwidth, and
 the reference backend's time for the same batch.
 
-    python benchmarks/attention_kernels.py            # the two headline cases
-    python benchmarks/attention_kernels.py --sweep    # also split counts and launch shapes
+    python benchmarks/investigations/attention_kernels.py            # the two headline cases
+    python benchmarks/investigations/attention_kernels.py --sweep    # also split counts and launch shapes
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 when ``--repeat 2``, and a short table comes last (rows x variants: decode tok/s for P1
 and P2, output tok/s for the others).
 
-    python benchmarks/ab_rows.py --out DIR --rows P2,P1 \
+    python benchmarks/investigations/ab_rows.py --out DIR --rows P2,P1 \
         --variant base: --variant whole:VT_EXP_WHOLE=32768:16:2
 """
 
@@ -15,7 +15,7 @@ import os
 import subprocess
 import sys
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+BENCH_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # benchmarks/
 
 
 def main() -> int:
@@ -35,7 +35,7 @@ def main() -> int:
                 key, _, value = item.partition("=")
                 env[key] = value
             out = os.path.join(args.out, f"{name}-{turn}")
-            proc = subprocess.run([sys.executable, os.path.join(HERE, "gpu_table.py"),
+            proc = subprocess.run([sys.executable, os.path.join(BENCH_DIR, "gpu_table.py"),
                                    "--out", out, "--rows", args.rows, "--peer", ""],
                                   env=env, capture_output=True, text=True)
             with open(os.path.join(args.out, f"{name}-{turn}.log"), "w") as f:

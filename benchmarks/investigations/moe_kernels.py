@@ -2,7 +2,7 @@
 (``vllmpy.ops.fused_moe``) against the one-row kernels (``vllmpy.ops.moe_decode``) at a few
 launch shapes, and the router's ``select_experts``; Qwen3-30B-A3B's shapes by default.
 
-    python benchmarks/moe_kernels.py [--tokens 1] [--layers 4]
+    python benchmarks/investigations/moe_kernels.py [--tokens 1] [--layers 4]
 
 Each variant runs ``--layers`` layers (distinct weights and routings, so the working set
 is well past L2) inside one CUDA graph, replayed; the table gives microseconds per layer

@@ -1,7 +1,7 @@
 """Compile time of each Triton kernel variant a batch-1 Qwen3-8B decode uses, from an
 empty kernel cache: the first call (compile + launch) against the second (launch only).
 
-    rm -rf ~/.triton/cache && python benchmarks/compile_times.py
+    rm -rf ~/.triton/cache && python benchmarks/investigations/compile_times.py
 """
 
 from __future__ import annotations

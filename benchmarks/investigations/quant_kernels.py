@@ -1,10 +1,10 @@
 """GPU time of the quantized linear kernels (vllmpy.ops.fp8_gemm, vllmpy.ops.int4_gemm) on
 Qwen3-8B's projection shapes, against bf16 ``F.linear`` on the same shapes.
 
-    python benchmarks/quant_kernels.py            # the table
-    python benchmarks/quant_kernels.py --sweep    # also the one-row fp8 GEMV's launch
+    python benchmarks/investigations/quant_kernels.py            # the table
+    python benchmarks/investigations/quant_kernels.py --sweep    # also the one-row fp8 GEMV's launch
                                                   # configurations, best first
-    python benchmarks/quant_kernels.py --sweep-int4 --only-sweeps  # the int4 GEMV's
+    python benchmarks/investigations/quant_kernels.py --sweep-int4 --only-sweeps  # the int4 GEMV's
 
 Each case is timed as 20 calls replayed from a CUDA graph. One-row calls cycle through
 copies of the weight that together exceed L2, as a decode step's layers do. GB/s counts

@@ -1,7 +1,7 @@
 """Where a decode step's time goes on the GPU: the graph replay alone (the device floor)
 against the whole engine step, with a cProfile of the host side.
 
-    python benchmarks/profile_step.py --out DIR [--model qwen3-0.6b] [--batch 1]
+    python benchmarks/investigations/profile_step.py --out DIR [--model qwen3-0.6b] [--batch 1]
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import os
 import pstats
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+BENCH_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # benchmarks/
 
 
 def main() -> None:
@@ -33,7 +33,7 @@ def main() -> None:
     from vllmpy.sampling_params import SamplingParams
 
     blocks = max(512, args.batch * (args.input_len + args.output_len) // 32 + 64)
-    llm = LLM(model=os.path.join(HERE, "configs", args.model), load_format="dummy",
+    llm = LLM(model=os.path.join(BENCH_DIR, "configs", args.model), load_format="dummy",
               device="cuda", dtype="bfloat16", num_blocks=blocks,
               max_num_seqs=max(args.batch, 1), max_num_batched_tokens=8192)
     rng = np.random.default_rng(0)

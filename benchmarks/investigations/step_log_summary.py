@@ -2,7 +2,7 @@
 step on stderr): how steps split by token count, how long each kind took, and how many
 requests waited.
 
-    python benchmarks/step_log_summary.py server.log
+    python benchmarks/investigations/step_log_summary.py server.log
 """
 
 from __future__ import annotations

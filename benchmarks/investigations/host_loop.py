@@ -4,7 +4,7 @@ host: scheduling, launching a step, waiting for a step's sampled ids, recording 
 the frontend's output processing. Also times the decode graph's replay alone (the device
 floor of a step's forward and logits). A step whose wait is near zero is host-bound.
 
-    python benchmarks/host_loop.py [--model qwen3-0.6b] [--layers 28] [--repeat N]
+    python benchmarks/investigations/host_loop.py [--model qwen3-0.6b] [--layers 28] [--repeat N]
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ def main() -> int:
 
     import numpy as np
     import torch
-    from layer_slope import config_with_layers  # a sibling script (benchmarks/)
+    from layer_slope import config_with_layers  # a sibling script (benchmarks/investigations/)
 
     from vllmpy.engine.llm import LLM
     from vllmpy.sampling_params import SamplingParams

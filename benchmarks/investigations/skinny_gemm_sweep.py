@@ -1,14 +1,14 @@
 """GPU time of the decode GEMMs of the benchmark configs, each timed as 50 calls replayed
 from a CUDA graph.
 
-    python benchmarks/skinny_gemm_sweep.py            # cuBLAS against the skinny kernel's
+    python benchmarks/investigations/skinny_gemm_sweep.py            # cuBLAS against the skinny kernel's
                                                       # launch configurations, M = 1, 4, 8
-    python benchmarks/skinny_gemm_sweep.py --fused    # one-row layer steps: the norm or
+    python benchmarks/investigations/skinny_gemm_sweep.py --fused    # one-row layer steps: the norm or
                                                       # SiLU launch plus the GEMM, against
                                                       # the fused kernel
-    python benchmarks/skinny_gemm_sweep.py --fused --every   # each step under each of
+    python benchmarks/investigations/skinny_gemm_sweep.py --fused --every   # each step under each of
                                                       # EVERY_CONFIGS
-    python benchmarks/skinny_gemm_sweep.py --hot 8b   # each one-row step, weights cold
+    python benchmarks/investigations/skinny_gemm_sweep.py --hot 8b   # each one-row step, weights cold
                                                       # and hot in L2, beside cuBLAS
 """
 

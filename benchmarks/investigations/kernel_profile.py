@@ -1,7 +1,7 @@
 """Per-kernel GPU time of one decode forward (eager, the same kernels the CUDA graph
 replays), so the graph's time can be split by kernel.
 
-    python benchmarks/kernel_profile.py --out DIR [--model qwen3-0.6b] [--batch 1] [--seq 768]
+    python benchmarks/investigations/kernel_profile.py --out DIR [--model qwen3-0.6b] [--batch 1] [--seq 768]
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import argparse
 import os
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+BENCH_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # benchmarks/
 
 
 def main() -> None:
@@ -29,7 +29,7 @@ def main() -> None:
 
     n, bs = args.batch, 32
     per_seq = -(-args.seq // bs)
-    llm = LLM(model=os.path.join(HERE, "configs", args.model), load_format="dummy",
+    llm = LLM(model=os.path.join(BENCH_DIR, "configs", args.model), load_format="dummy",
               device="cuda", dtype="bfloat16", num_blocks=n * per_seq + 64,
               max_num_seqs=max(n, 1), max_num_batched_tokens=8192)
     runner = llm.engine.engine_core.model_runner

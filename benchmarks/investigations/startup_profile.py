@@ -4,7 +4,7 @@ compiled in this process with its wall time (a disk-cache hit shows as a few ms)
 Starts the engine in-process on Qwen3-8B with dummy weights and the P8 server's settings
 (64 sequences, 4,096 blocks), from an empty Triton cache unless ``--warm``:
 
-    python benchmarks/startup_profile.py --out DIR [--model qwen3-8b] [--warm]
+    python benchmarks/investigations/startup_profile.py --out DIR [--model qwen3-8b] [--warm]
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import os
 import tempfile
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+BENCH_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # benchmarks/
 
 
 def main() -> None:
@@ -57,7 +57,7 @@ def main() -> None:
 
         prof = cProfile.Profile()
         prof.enable()
-    llm = LLM(model=os.path.join(HERE, "configs", args.model), load_format="dummy",
+    llm = LLM(model=os.path.join(BENCH_DIR, "configs", args.model), load_format="dummy",
               device="cuda", dtype="bfloat16", max_num_seqs=64, num_blocks=4096)
     t_engine = time.perf_counter() - t0
     if prof is not None:

@@ -4,7 +4,7 @@ and memory clocks, the power draw, the temperature and the active clock-event re
 every 20 ms, and prints for each block of steps its mean step time beside the samples
 taken during it.
 
-    python benchmarks/clock_trace.py --out DIR [--model qwen3-8b] [--runs 512:1024,640:256]
+    python benchmarks/investigations/clock_trace.py --out DIR [--model qwen3-8b] [--runs 512:1024,640:256]
 
 Each run is PROMPT:OUTPUT tokens, after ``--idle`` seconds with the GPU idle. The raw
 samples and step times land in DIR.
@@ -19,7 +19,7 @@ import subprocess
 import threading
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+BENCH_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # benchmarks/
 FIELDS = ("clocks.sm", "clocks.mem", "power.draw", "temperature.gpu",
           "clocks_event_reasons.active")
 
@@ -70,7 +70,7 @@ def main() -> int:
     from vllmpy.engine.llm import LLM
     from vllmpy.sampling_params import SamplingParams
 
-    llm = LLM(model=os.path.join(HERE, "configs", args.model), load_format="dummy",
+    llm = LLM(model=os.path.join(BENCH_DIR, "configs", args.model), load_format="dummy",
               device="cuda", dtype="bfloat16", num_blocks=1024, max_num_seqs=32,
               max_num_batched_tokens=8192)
     rng = np.random.default_rng(0)

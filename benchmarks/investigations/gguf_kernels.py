@@ -1,9 +1,9 @@
 """GPU time of the GGUF matmul kernels (vllmpy.ops.gguf_gemm) on Qwen3-8B's matrices.
 
-    python benchmarks/gguf_kernels.py                 # the table: Q4_K, Q6_K, Q8_0, Q4_0
+    python benchmarks/investigations/gguf_kernels.py                 # the table: Q4_K, Q6_K, Q8_0, Q4_0
                                                       # at M = 1 and M = 256
-    python benchmarks/gguf_kernels.py --types Q4_K --m 1,4
-    python benchmarks/gguf_kernels.py --cutover       # decode rows through the GEMV and
+    python benchmarks/investigations/gguf_kernels.py --types Q4_K --m 1,4
+    python benchmarks/investigations/gguf_kernels.py --cutover       # decode rows through the GEMV and
                                                       # the GEMM kernel, to set GEMV_MAX_M
 
 Each row: the kernel's time per call (after warm-up, replayed from a CUDA graph), the

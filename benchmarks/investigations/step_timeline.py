@@ -6,7 +6,7 @@ Runs one request (or ``--batch`` requests) to the middle of its decode, then rec
 step: wall time, GPU busy time (union of kernel and copy intervals), the idle gaps, and
 the kernels and copies by name with their count and time per step.
 
-    python benchmarks/step_timeline.py --out DIR [--model qwen3-8b] [--batch 1] [--steps 40]
+    python benchmarks/investigations/step_timeline.py --out DIR [--model qwen3-8b] [--batch 1] [--steps 40]
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import json
 import os
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+BENCH_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # benchmarks/
 
 
 def _intervals(events) -> list[tuple[float, float, str]]:
@@ -46,7 +46,7 @@ def main() -> None:
     from vllmpy.engine.llm import LLM
     from vllmpy.sampling_params import SamplingParams
 
-    llm = LLM(model=os.path.join(HERE, "configs", args.model), load_format="dummy",
+    llm = LLM(model=os.path.join(BENCH_DIR, "configs", args.model), load_format="dummy",
               device="cuda", dtype="bfloat16", num_blocks=2048,
               max_num_seqs=max(args.batch, 1), max_num_batched_tokens=8192)
     rng = np.random.default_rng(0)
