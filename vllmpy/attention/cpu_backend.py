@@ -20,7 +20,7 @@ to rounding) and spends fewer, cheaper ops on each step:
   copy and convert every cached token again. Any other step drops the copies. They take
   at most as much memory as the paged cache itself; past that the step gathers. A
   batch-1 step keeps gathering: there the copies' bookkeeping costs more than the gather
-  (figures in docs/BENCHMARKS.md, "CPU: decode copies");
+  (docs/perf-log/cpu-decode.md, "CPU: decode copies");
 - a decode step that reads at most ``SERIAL_KV_ELEMENTS`` cached values runs on one
   thread: at that size, handing half of each copy to a second thread (which has to wake
   up and pull the data into its own cache) costs more than it saves;

@@ -1,7 +1,8 @@
 """Greedy sampling's argmax over a few rows of logits, spread over the whole GPU.
 
-``torch.argmax`` reduces a row of logits in one block: a 151,936-wide row takes it 8.6 us
-on an H200, about 1% of a small model's decode step. Here each row is cut into chunks of
+``torch.argmax`` reduces a row of logits in one block, on the critical path of a small
+model's decode step (docs/perf-log/gpu-dense.md, "greedy sampling's argmax split over the
+GPU"). Here each row is cut into chunks of
 ``CHUNK`` logits; one launch finds each chunk's largest logit and its first position, a
 second picks each row's winner from its chunks. The result is ``torch.argmax``'s: the
 first position of the largest value, a NaN counting as larger than any number and -0.0 as

@@ -29,11 +29,10 @@ so a weight moves by at most 2**-9 * (|c - 8| * scale + |zero|) per pass (for Q6
 d (16*d and 8*d are d times powers of two), so its weights move by at most 2**-9 * |w|, as
 a dense bfloat16 copy's would.
 
-Measured on a two-core CPU (docs/perf-log/cpu-kquants.md), with bfloat16 activations these
-run a decode step (one token) 2-4 times faster than the dense bfloat16 F.linear of the
-dequantized weight, and a prefill of 128 tokens 2-5 times slower: the kernel reads its
-weights once per few tokens. With float32 or float16 activations the kernel is many times
-slower than the dense matmul at any batch, so ``supported`` takes bfloat16 only.
+With bfloat16 activations these beat the dense bfloat16 F.linear of the dequantized weight
+at decode and lose at prefill (the kernel re-reads its weights every few tokens); with
+float32 or float16 ones they lose at any batch, so ``supported`` takes bfloat16 only
+(docs/perf-log/cpu-kquants.md).
 """
 
 from __future__ import annotations

@@ -53,10 +53,9 @@ from vllmpy.ops.pdl import pdl_args, pdl_wait
 
 # keys per loop iteration, as paged_attention's decode launch takes them
 TILE_N = 64
-# A split launch (a small batch's) and its merge, as measured on the H200 for Qwen3-0.6B's
-# batch-1 decode (docs/BENCHMARKS.md): 32-key tiles, so that a split program's usual single
-# tile is half as long and twice as many programs share a request's keys (1,422-1,425 to
-# 1,452-1,456 tok/s); the attention on 8 warps and the merge on 2 (to 1,496-1,501).
+# A split launch (a small batch's): 32-key tiles, so twice as many programs share a
+# request's keys, the attention on 8 warps and its merge on 2, the fastest batch-1 decode
+# (docs/perf-log/gpu-dense.md, "the split decode attention retuned").
 SPLIT_TILE_N = 32
 SPLIT_WARPS = 8
 MERGE_WARPS = 2

@@ -59,12 +59,10 @@ from vllmpy.ops.paged_attention import num_multiprocessors
 # Weights of a row per loop iteration of either kernel: eight legacy blocks or one
 # super-block.
 CHUNK = 256
-# Activation rows up to which gguf_linear takes the GEMV kernel; more take the GEMM. The
-# GEMV multiplies on the FP32 units, an FMA per weight and row; the GEMM's 16-row tile
-# costs the same at any M up to 16. Counted in their sm_90 code, for Q4_0, Q4_K, Q8_0 and
-# Q6_K, the GEMV issues 4.1-7.1 instructions per weight at one row, 5.5-8.8 at two and
-# 8.5-12.1 at four, the GEMM 5.5-9.1. The GEMV runs any M up to 8;
-# benchmarks/investigations/gguf_kernels.py --cutover times both kernels.
+# Activation rows up to which gguf_linear takes the GEMV kernel; more take the GEMM: the
+# GEMV's FMAs grow with the rows, the GEMM's 16-row tile costs the same up to 16, and their
+# sm_90 instruction counts cross past two rows (docs/perf-log/quantized.md). The GEMV runs
+# any M up to 8; benchmarks/investigations/gguf_kernels.py --cutover times both kernels.
 GEMV_MAX_M = 2
 # GEMV: weight rows per program and warps per program.
 GEMV_BLOCK_N = 64

@@ -47,9 +47,9 @@ code - zero (16 times it, whose 1/16 goes into the scale).
   use IEEE fp32 dots, not TF32). Up to 16 rows take one row tile, so the weight is read
   and dequantized once.
 
-On an H200 the one-row kernels still read well under HBM bandwidth (1.2-2.0 TB/s for
-the packed GEMV on Qwen3-8B's projections, 0.9-1.5 for the fp32 one); see
-docs/perf-log/int4-gemv.md.
+The one-row kernels still read well under HBM bandwidth: the packed GEMV is bound by the
+bytes in flight per multiprocessor, the fp32 one by instruction issue
+(docs/perf-log/int4-gemv.md).
 """
 
 from __future__ import annotations
@@ -81,7 +81,7 @@ GEMV_WARPS = 4
 GEMV_MIN_PROGRAMS_PER_SM = 1
 # The packed f16x2 GEMV (16-bit activations): F16X2_BLOCK_J byte rows a program, chunks
 # of F16X2_CHUNK columns in tiles of at most F16X2_SUB (inside one scale group); the
-# fastest of 27 launch configurations on Qwen3-8B's projections on an H200.
+# fastest of the launch configurations swept (docs/perf-log/int4-gemv.md).
 F16X2_BLOCK_J = 8
 F16X2_CHUNK = 1024
 F16X2_SUB = 128

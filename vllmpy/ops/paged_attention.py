@@ -437,8 +437,8 @@ def default_config(max_query_len: int, num_heads: int, num_kv_heads: int,
     """Decode batches get 16-row blocks (one token's head group, padded for the tensor
     cores); batches with prefill rows get 64-row blocks so keys are reused across tokens.
     A decode over fp8 pages takes 128-key tiles: converting each 1-byte tile costs more
-    than loading it, and the longer tile amortizes that best (benchmarks/
-    attention_kernels.py --fp8 --sweep: 157 against 185 us at 32 x 4,096 on an H200)."""
+    than loading it, and the longer tile amortizes that best (docs/perf-log/gpu-dense.md,
+    "KV-cache features, re-measured")."""
     group_pad = triton.next_power_of_2(num_heads // num_kv_heads)
     dim_pad = triton.next_power_of_2(head_dim)
     if max_query_len <= 1:

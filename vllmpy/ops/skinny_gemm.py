@@ -43,8 +43,8 @@ from vllmpy.ops.native import rms_norm_torch, silu_and_mul_torch
 from vllmpy.ops.paged_attention import num_multiprocessors
 from vllmpy.ops.pdl import pdl_args, pdl_wait
 
-# The kernel takes up to this many rows. Measured on the H200 it beats cuBLAS for one row
-# only (docs/BENCHMARKS.md), which is where the linear layers use it.
+# The kernel takes up to this many rows; it beats cuBLAS for one row only, which is where
+# the linear layers use it (docs/perf-log/gpu-dense.md, "persistent batch, skinny GEMM").
 MAX_ROWS = 8
 
 # what a program does to its activation chunk before the product
@@ -250,10 +250,9 @@ def silu_mul_gemm(x: torch.Tensor, weight: torch.Tensor,
 # the kernel before it (vllmpy.ops.pdl): the weight streams while attention or the
 # previous GEMM finishes. A share is at most WHOLE_SHARE_ELEMS weights (32 KiB of bfloat16,
 # about 128 registers a thread on WHOLE_SHARE_WARPS warps, so that two programs fit on a
-# multiprocessor) and the grid at most WHOLE_SHARE_WAVES programs per multiprocessor.
-# Measured on the H200 (docs/BENCHMARKS.md), this took Qwen3-0.6B's batch-1 decode from
-# 1,211 to 1,340 tok/s; 64 KiB shares on 16 warps, and the gate_up projection at three
-# programs per multiprocessor, were slower.
+# multiprocessor) and the grid at most WHOLE_SHARE_WAVES programs per multiprocessor:
+# larger shares and denser grids were slower (docs/perf-log/gpu-dense.md, "loads moved
+# ahead of the PDL wait").
 WHOLE_SHARE_ELEMS = 16384
 WHOLE_SHARE_WARPS = 8
 WHOLE_SHARE_WAVES = 2
@@ -278,19 +277,15 @@ def whole_share_rows(n: int, k: int, num_sms: int) -> int | None:
 
 
 # A norm launch of at most this many chunks folds the norm into its sums (module
-# docstring). Measured on the H200 (docs/BENCHMARKS.md): Qwen3-0.6B's batch-1 decode,
-# whose gate_up streams 2 chunks and whose qkv takes one, went from 1,506 to 1,528-1,531
-# tok/s (1,509-1,512 folding the one-chunk qkv alone); Qwen3-8B's, at 8 chunks, fell from
-# 236.8 to 229.1, the squares' extra reduction in every chunk costing more than the
-# prologue it saves.
+# docstring); in longer streams the squares' work in every chunk costs more than the
+# prologue it saves (docs/perf-log/gpu-dense.md, "a folded norm for short one-row launches").
 FOLD_MAX_CHUNKS = 2
 # A one-row launch of more chunks folds too when its grid has at most this many programs
 # per multiprocessor, so that every program runs at once and each one's whole-row
 # prologue would sit on the launch's critical path; its chunks then add their squares
-# without a reduction (SQ_VEC). Measured on the H200 (docs/BENCHMARKS.md): Qwen3-8B's qkv
-# projection (768 programs, 8 chunks) went from 15.9 to 14.8 us and its batch-1 decode
-# from 246.5 to 247.8 tok/s; its gate_up (3,072 programs) took 51.7 us folded against
-# 47.6, so it keeps the prologue.
+# without a reduction (SQ_VEC). A grid of several waves keeps the prologue: its later
+# waves' prologues overlap earlier streams (docs/perf-log/gpu-dense.md, "a one-row norm
+# launch that runs in one wave folds its norm").
 FOLD_MAX_PROGRAMS_PER_SM = 8
 
 
@@ -305,20 +300,17 @@ def folds_norm(m: int, n: int, k: int, block_n: int, block_k: int, num_sms: int)
 # A one-row launch of more than one chunk keeps each thread's products in its own fp32
 # sums, ROW_GROUP neighbouring columns added first, and reduces them across the program
 # once, at the end, where a launch of more rows sums every chunk across the program's
-# threads. Its chunk loop then holds no shuffle, and no barrier but the activation's.
-# Measured on the H200 (docs/BENCHMARKS.md), Qwen3-8B's batch-1 decode went from 247.7 to
-# 252.8 tok/s with the o and down projections taking it; the norm launches gained nothing
-# at their 512-wide chunks, and with them the wider chunks of ``norm_launch`` pay.
+# threads. Its chunk loop then holds no shuffle, and no barrier but the activation's; the
+# norm launches gain from it only with the wider chunks of ``norm_launch``
+# (docs/perf-log/gpu-dense.md, "one-row launches keep per-thread sums").
 ROW_GROUP = 8
 # A one-row norm launch whose K is at least NORM_WIDE_K streams wider chunks: a grid that
 # runs in one wave (Qwen3-8B's qkv projection: 768 programs) 1024-wide chunks on 4 warps,
 # a larger one (its gate_up: 3,072 programs) 2048-wide chunks on 8 warps, which fold the
-# norm at K = 4,096 (2 chunks). Measured on the H200 (docs/BENCHMARKS.md), with the
-# per-thread sums above: Qwen3-8B's batch-1 decode went from 242.5-243.7 to 254.4 tok/s
-# on one machine.
+# norm at K = 4,096 (2 chunks): the fastest shapes with the per-thread sums above (same log).
 NORM_WIDE_K = 4096
-# A one-row SiLU launch (a down projection) streams 2048-wide chunks: Qwen3-8B's batch-1
-# decode went from 257.2-257.3 to 259.0 tok/s on the H200 (docs/BENCHMARKS.md).
+# A one-row SiLU launch (a down projection) streams 2048-wide chunks, once the norm
+# launches take wide ones (same log).
 SILU_ONE_ROW_K = 2048
 
 
@@ -347,13 +339,11 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.T
         if rows is not None:  # a small matrix: one tile per program, loaded up front
             block_n, block_k = rows, triton.next_power_of_2(k)
             num_warps, num_stages = WHOLE_SHARE_WARPS, 1
-    # Otherwise the launches are the best of benchmarks/investigations/skinny_gemm_sweep.py
-    # --fused (one row, weights cold in L2) on an H200: 8 weight rows in 512-wide chunks on
-    # 4 warps for the norm prologue (the qkv and gate_up projections; a long one-row norm
-    # launch as ``norm_launch`` says); the down projections (SiLU prologue, long K) in
-    # 1024-wide chunks on 8 warps (25.3 against 29.9 us for Qwen3-8B's; one row takes
-    # SILU_ONE_ROW_K); a plain GEMM (o_proj) on 2 rows per program in 1024-wide chunks,
-    # which puts 4x the programs in flight (9.2 against 11.4 us for Qwen3-8B's).
+    # Otherwise one launch shape per prologue, the best of a sweep with cold weights
+    # (docs/perf-log/gpu-dense.md, "one-row decode fusions"): the norm prologue 8 rows in
+    # 512-wide chunks on 4 warps (long one-row launches: ``norm_launch``); SiLU (long K)
+    # 1024-wide chunks on 8 warps (one row: SILU_ONE_ROW_K); a plain GEMM (o_proj) 2 rows
+    # per program in 1024-wide chunks, for 4x the programs in flight.
     if block_n is None and prologue == RMS_NORM:
         block_n, block_k, num_warps = norm_launch(m, n, k, num_sms)
     if block_n is None:

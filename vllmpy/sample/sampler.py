@@ -54,7 +54,7 @@ class Sampler(torch.nn.Module):
         if plain_argmax(md):
             # Converting to float32 is exact and monotonic, so it cannot change the argmax;
             # on the CPU the float32 argmax is several times faster than the bfloat16 one
-            # (0.38 against 1.47 ms for 16 x 49,152 logits on the 2-core machine).
+            # (docs/perf-log/cpu-decode.md, "the 16-stream spread").
             scores = logits.float() if logits.device.type == "cpu" else logits
             return greedy_ids(scores, out), logits
         logits = apply_logits_processors(logits.float(), md)
