@@ -61,6 +61,7 @@ from vllmpy.entrypoints.openai.serving_embedding import EmbeddingHandler
 from vllmpy.entrypoints.openai.serving_pooling import PoolingHandler, check_task
 from vllmpy.entrypoints.openai.serving_score import ScoreHandler
 from vllmpy.entrypoints.openai.serving_tokenization import TokenizationHandler
+from vllmpy.entrypoints.openai.web_ui import add_web_ui, is_web_ui_path
 from vllmpy.pooling import model_tasks
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -74,15 +75,17 @@ OPEN_PATHS = frozenset({"/health", "/ping", "/metrics"})
 class RequestGuard:
     """Refuses, before any route runs: a body over the size limit (413); any route but
     ``OPEN_PATHS`` once the engine core is dead (503: the server is going down and serves
-    nothing); a request without the API key on any route but ``OPEN_PATHS`` and CORS
-    preflights (401; the key is compared in constant time). A plain ASGI middleware:
+    nothing); a request without the API key on any route but ``OPEN_PATHS``, the web UI's
+    pages (when served: they ask for the key themselves) and CORS preflights (401; the key
+    is compared in constant time). A plain ASGI middleware:
     Starlette's ``@app.middleware("http")`` would pass every streamed chunk through an
     extra memory stream, which costs more than the rest of a token's trip through the
     server."""
 
     def __init__(self, app: ASGIApp, max_body_bytes: int, api_key: str | None,
-                 engine: AsyncLLM | None = None) -> None:
+                 engine: AsyncLLM | None = None, web_ui: bool = False) -> None:
         self.app = app
+        self.web_ui = web_ui
         self.max_body_bytes = max_body_bytes
         self.expected_auth = None if not api_key else f"Bearer {api_key}".encode()
         self.engine = engine
@@ -108,6 +111,8 @@ class RequestGuard:
         if self.engine is not None and self.engine.is_dead:
             return _error(503, f"the engine has stopped: {self.engine.dead_error}; the "
                                f"server is shutting down")
+        if self.web_ui and is_web_ui_path(scope["path"]):
+            return None
         if self.expected_auth is not None and scope["method"] != "OPTIONS":
             given = headers.get("authorization", "").encode("latin-1")
             if not hmac.compare_digest(given, self.expected_auth):
@@ -152,20 +157,28 @@ def build_app(engine: AsyncLLM, args: argparse.Namespace, served_model_name: str
 
         metrics = PrometheusStatLogger(served_model_name, ctx.max_model_len)
         engine.stat_listeners.append(metrics.listener)
+    history = None
+    if metrics is not None and args.enable_web_ui:
+        from vllmpy.metrics.history import MetricsHistory
+
+        history = MetricsHistory(metrics)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        watchdog = asyncio.ensure_future(watch_engine(engine, metrics, on_engine_dead))
+        tasks = [asyncio.ensure_future(watch_engine(engine, metrics, on_engine_dead))]
+        if history is not None:
+            tasks.append(asyncio.ensure_future(history.run()))
         try:
             yield
         finally:
-            watchdog.cancel()
+            for task in tasks:
+                task.cancel()
 
     app = FastAPI(title="vllmpy", version=vllmpy.__version__, docs_url=None, redoc_url=None,
                   lifespan=lifespan)
     app.state.max_body_bytes = args.max_request_body_bytes  # read_body's limit
     app.add_middleware(RequestGuard, max_body_bytes=args.max_request_body_bytes,
-                       api_key=args.api_key, engine=engine)
+                       api_key=args.api_key, engine=engine, web_ui=args.enable_web_ui)
     if args.allowed_origins:  # outermost: preflights pass, and refusals carry the headers
         origins = [o.strip() for o in args.allowed_origins.split(",") if o.strip()]
         app.add_middleware(CORSMiddleware, allow_origins=origins, allow_methods=["*"],
@@ -298,6 +311,9 @@ def build_app(engine: AsyncLLM, args: argparse.Namespace, served_model_name: str
     @app.post("/reset_prefix_cache")
     async def reset_prefix_cache() -> JSONResponse:
         return JSONResponse({"success": bool(await engine.reset_prefix_cache())})
+
+    if args.enable_web_ui:
+        add_web_ui(app, history, _error)
 
     document(app, {"/v1/completions": [CompletionRequest],
                    "/v1/chat/completions": [ChatCompletionRequest],

@@ -72,6 +72,9 @@ def make_parser() -> OneLineArgumentParser:
     g.add_argument("--enable-metrics", dest="enable_metrics", action="store_true",
                    default=True, help="serve /metrics (default on)")
     g.add_argument("--disable-metrics", dest="enable_metrics", action="store_false")
+    g.add_argument("--disable-web-ui", dest="enable_web_ui", action="store_false",
+                   default=True, help="do not serve the browser playground at / and the "
+                                      "live dashboard at /dashboard (the API is unchanged)")
     g.add_argument("--enable-force-include-usage", action="store_true",
                    help="always include usage in responses and streams")
     g.add_argument("--enable-thinking", dest="enable_thinking", action="store_true",
