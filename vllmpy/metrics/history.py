@@ -126,7 +126,8 @@ class MetricsHistory:
         self.logger = logger
         self.interval_s = interval_s
         self.horizon_s = horizon_s
-        self.samples: deque[Snapshot] = deque()
+        # trimmed to the horizon by time; the length bound holds when sampled too often
+        self.samples: deque[Snapshot] = deque(maxlen=math.ceil(horizon_s / interval_s) + 1)
         self.bounds: dict[str, tuple[float, ...]] = {}  # HISTOGRAMS' keys -> upper bounds
         self._registry = logger.registry.restricted_registry([*_READ, FINISHED])
         self._corrector = _ResetCorrector()
