@@ -138,6 +138,7 @@ def test_one_sample_has_no_rates_and_no_samples_answers_the_same_shape(logger, h
     assert one["series"]["t"] == []
     assert empty["gauges"]["running"] is None
     assert set(empty) == set(one) and set(empty["series"]) == set(one["series"])
+    assert empty["model"] == one["model"] == "tiny-model"  # the name /metrics labels
     json.dumps(empty, allow_nan=False)
 
 

@@ -186,7 +186,7 @@ class MetricsHistory:
         """The dashboard's data over the newest ``window_s`` seconds (see the module
         docstring for how counters and histograms are read)."""
         if not self.samples:
-            return _empty_view(time.time())
+            return _empty_view(self.logger.model_name, time.time())
         last = self.samples[-1]
         window = [s for s in self.samples if s.t >= last.t - window_s]
         first = window[0]
@@ -201,6 +201,7 @@ class MetricsHistory:
         queries, hits = delta("prefix_cache_queries"), delta("prefix_cache_hits")
         reasons = sorted(k for k in last.counters if k.startswith("finished:"))
         return {
+            "model": self.logger.model_name,
             "now": last.t,
             "window_s": _round(elapsed),
             "gauges": {key: _round(value) for key, value in last.gauges.items()},
@@ -259,10 +260,10 @@ def _spec_decode(last: Snapshot, delta) -> dict | None:
             "drafts": drafts, "draft_tokens": draft_tokens, "accepted_tokens": accepted}
 
 
-def _empty_view(now: float) -> dict:
+def _empty_view(model: str, now: float) -> dict:
     """What ``view`` answers before the first sample: nothing measured yet."""
     none_q = {"count": 0.0, **{_qname(q): None for q in QUANTILES}}
-    return {"now": now, "window_s": 0.0,
+    return {"model": model, "now": now, "window_s": 0.0,
             "gauges": {key: None for key in GAUGES},
             "throughput": {"prompt_tokens_per_s": None, "generation_tokens_per_s": None,
                            "prompt_tokens": 0.0, "generation_tokens": 0.0},

@@ -120,11 +120,13 @@ def test_a_failing_data_route_shows_a_banner_until_it_answers_again(page, ui_ser
     assert [e for e in page.console_errors if "Failed to load resource" not in e] == []
 
 
-def test_behind_an_api_key_the_page_loads_and_the_model_is_unknown(page, keyed_server):
+def test_behind_an_api_key_the_page_loads_and_names_the_model(page, keyed_server, api_key):
     assert httpx.get(f"{keyed_server.url}/v1/models", timeout=10).status_code == 401
+    served = httpx.get(f"{keyed_server.url}/v1/models", timeout=10,
+                       headers={"Authorization": f"Bearer {api_key}"}).json()["data"][0]["id"]
     open_dashboard(page, keyed_server)
-    page.wait_for_function(
-        "document.getElementById('model-name').textContent.includes('unknown')")
+    page.wait_for_function("id => document.getElementById('model-name').textContent === id",
+                           arg=served, timeout=WAIT_MS)
     assert page.is_hidden("[data-testid=banner]")
     assert page.locator("#key-banner, input[type=password]").count() == 0  # asks no key
     assert [e for e in page.console_errors if "Failed to load resource" not in e] == []

@@ -10,7 +10,6 @@ const WINDOW_TEXT = { 60: "over the last minute", 300: "over the last 5 minutes"
 const state = {
   window: 300,      // seconds, the selected window
   data: null,       // the last answer of /dashboard/data
-  modelKnown: false,
   timer: null,
 };
 
@@ -313,7 +312,7 @@ async function poll() {
       renderWindowText(r.body.window_s);
       renderTiles(r.body);
       renderCharts();
-      if (!state.modelKnown) loadModel();
+      renderModel(r.body.model);
     }
   } catch {
     showBanner("Cannot reach the server: it may have stopped. Retrying every second…");
@@ -327,22 +326,13 @@ function schedule() {
   state.timer = setTimeout(poll, POLL_MS);
 }
 
-async function loadModel() {
+// The served model's name, as /metrics labels it (open without the API key).
+function renderModel(name) {
   const el = $("#model-name");
-  try {
-    const r = await fetchJson("/v1/models");
-    if (r.status === 401) {
-      el.textContent = "model unknown (API key required)";
-      state.modelKnown = true;  // asking again would get the same answer
-    } else if (r.ok && r.body && r.body.data && r.body.data.length) {
-      el.textContent = r.body.data.map((m) => m.id).join(", ");
-      el.title = `Served model: ${el.textContent}`;
-      state.modelKnown = true;
-    } else {
-      el.textContent = "model unknown";
-    }
-  } catch {
-    el.textContent = "model unknown";
+  const text = name || "model unknown";
+  if (el.textContent !== text) {
+    el.textContent = text;
+    el.title = name ? `Served model: ${name}` : "";
   }
 }
 
@@ -375,7 +365,6 @@ function start() {
   new ResizeObserver(() => renderCharts()).observe(document.querySelector(".plots"));
   window.matchMedia("(prefers-color-scheme: dark)").addEventListener("change", renderCharts);
   document.addEventListener("visibilitychange", () => { if (!document.hidden) poll(); });
-  loadModel();
   poll();
 }
 
