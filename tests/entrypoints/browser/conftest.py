@@ -37,7 +37,7 @@ def screenshots() -> Path:
     return out
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def browser():
     exe = chromium_path()
     if exe is None:
@@ -66,7 +66,7 @@ def page(browser):
     context.close()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def ui_server():
     """vllm-server on the real SmolLM2-135M-Instruct GGUF, as a newcomer starts it."""
     s = start_server("--model", str(fetch("smollm2", quiet=True)), "--device", "cpu",
@@ -75,12 +75,12 @@ def ui_server():
     s.stop()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def api_key() -> str:
     return API_KEY
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def keyed_server(tiny_chat_model):
     """A small random-weight model behind --api-key."""
     s = start_server("--model", tiny_chat_model, *TINY_SERVER, "--api-key", API_KEY,
