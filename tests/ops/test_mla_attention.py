@@ -142,8 +142,8 @@ def test_launchers_refuse_mismatched_shapes():
     with pytest.raises(ValueError, match="int32"):
         run({**batch, "seq_lens": batch["seq_lens"].long()}, MIXED)
     with pytest.raises(ValueError, match="widths must add up"):
-        write_latents(torch.zeros(2, 32), torch.zeros(2, 8), batch["cache"],
-                      torch.zeros(2, dtype=torch.long))
+        write_latents(torch.zeros(2, 32, device=DEVICE), torch.zeros(2, 8, device=DEVICE),
+                      batch["cache"], torch.zeros(2, dtype=torch.long, device=DEVICE))
 
 
 # ---- the backends ---------------------------------------------------------------------
@@ -215,6 +215,7 @@ def test_absorbed_and_expanded_paths_agree():
     cache = torch.zeros(4, bs, dims.latent_dim, device=DEVICE)
     q_nope, q_pe = torch.randn(10, 4, 16, generator=gen), torch.randn(10, 4, 8, generator=gen)
     c_kv, k_pe = torch.randn(10, 24, generator=gen), torch.randn(10, 8, generator=gen)
+    q_nope, q_pe, c_kv, k_pe = (x.to(DEVICE) for x in (q_nope, q_pe, c_kv, k_pe))
 
     def step(rows: slice, reqs, into: torch.Tensor) -> torch.Tensor:
         return backend.forward(q_nope[rows], q_pe[rows], c_kv[rows], k_pe[rows], into,

@@ -324,7 +324,8 @@ def absorbed_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: torch.Ten
                                        num_multiprocessors(q_lat.device))
     if num_splits < 1:
         raise ValueError(f"num_splits must be at least 1, got {num_splits}")
-    lat_pad = triton.next_power_of_2(kv_lora_rank)
+    # tl.dot takes no inner dimension under 16: narrow latents and rope parts are padded
+    lat_pad = max(16, triton.next_power_of_2(kv_lora_rank))
     part_acc, part_ml = partial_buffers(out, num_tokens, num_heads, num_splits, lat_pad)
     limit = max_query_len_absorbed if max_query_len_absorbed is not None else num_tokens
     _absorbed_attention_kernel[(num_q_blocks, head_blocks, num_splits)](
@@ -335,7 +336,7 @@ def absorbed_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: torch.Ten
         out.stride(0), out.stride(1), cache.stride(0), cache.stride(1),
         block_tables.stride(0),
         BLOCK_H=cfg.block_h, BLOCK_Q=block_q, BLOCK_M=cfg.block_m, TILE_N=cfg.tile_n,
-        LAT_PAD=lat_pad, ROPE_PAD=triton.next_power_of_2(rope_dim),
+        LAT_PAD=lat_pad, ROPE_PAD=max(16, triton.next_power_of_2(rope_dim)),
         BLOCK_SIZE=cache.shape[1], SPLIT=num_splits > 1,
         DOT_PRECISION="ieee" if q_lat.dtype == torch.float32 else "tf32", QUANT=quant,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(q_lat.device))
