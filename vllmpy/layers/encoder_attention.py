@@ -4,20 +4,25 @@ A pooling step holds every scheduled request's whole prompt (the scheduler never
 a pooling request), so each sequence's keys and values are all in the step: each query
 attends to every token of its own sequence and to no other.
 
-The step's sequences are sorted by length and cut into groups whose padded size stays
-within a quarter of their real tokens (``PAD_SLACK``): each group is gathered into a
-[sequences, its longest, heads, head_dim] batch, attended with PyTorch's
-``scaled_dot_product_attention`` under a key mask (plus an additive bias where the model
-has one: MPNet's relative positions, a symmetric window), and scattered back to the
-packed rows. One padded batch of mixed lengths would spend most of its work on padding
-(a step of 8- to 256-token sentences pads each to 256); the groups spend little, in a
-handful of calls. The same code runs on the CPU and on CUDA, where SDPA picks its fused
-kernels.
+Two paths, chosen by the device and by whether the model adds a score bias:
+
+- CUDA without a bias (BERT, Nomic BERT, EmbeddingGemma on steps within its window):
+  ``vllmpy.ops.encoder_attention.varlen_attention``, one Triton launch over the step's
+  packed tokens, each program bounded to its own sequence by the step's cumulative
+  starts (``step_seqlens``). No padding, no gathers, one kernel per layer.
+- The CPU, and any device with a bias (MPNet's relative positions, EmbeddingGemma's
+  symmetric window): the step's sequences are sorted by length and cut into groups whose
+  padded size stays within a quarter of their real tokens (``PAD_SLACK``); each group is
+  gathered into a [sequences, its longest, heads, head_dim] batch, attended with
+  PyTorch's ``scaled_dot_product_attention`` under a key mask (plus the bias), and
+  scattered back to the packed rows. One padded batch of mixed lengths would spend most
+  of its work on padding (a step of 8- to 256-token sentences pads each to 256); the
+  groups spend little, in a handful of calls. On CUDA, SDPA picks its fused kernels.
 
 Models that add a bias build it in the step's full padded layout (``padded_layout``:
 every sequence padded to the step's longest); each group takes its rows of it. The
-layouts depend only on the step, so they are made once per step and kept on the step's
-``AttentionMetadata`` for every layer.
+layouts and the cumulative starts depend only on the step, so they are made once per
+step and kept on the step's ``AttentionMetadata`` for every layer.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from vllmpy.attention.metadata import AttentionMetadata
+from vllmpy.ops.encoder_attention import varlen_attention
 
 # A group's padded tokens may exceed its real tokens by this fraction.
 PAD_SLACK = 0.25
@@ -109,6 +115,19 @@ def length_groups(meta: AttentionMetadata, device: torch.device) -> list[PaddedL
     return groups
 
 
+def step_seqlens(meta: AttentionMetadata, device: torch.device) -> tuple[torch.Tensor, int]:
+    """The step's cumulative sequence starts as an int32 [num_seqs + 1] tensor on
+    ``device`` and its longest sequence (made on the first call, then read from
+    ``meta``): what ``varlen_attention`` takes."""
+    cached = getattr(meta, "_cu_seqlens", None)
+    if cached is None:
+        starts = meta.query_start_loc_cpu
+        longest = max((b - a for a, b in zip(starts[:-1], starts[1:])), default=0)
+        cached = (torch.tensor(starts, dtype=torch.int32, device=device), longest)
+        meta._cu_seqlens = cached  # type: ignore[attr-defined]
+    return cached
+
+
 def to_padded(x: torch.Tensor, layout: PaddedLayout) -> torch.Tensor:
     """The step's packed [num_tokens, *rest] -> padded [num_seqs, longest, *rest] (the
     layout's sequences), zeros past each sequence's end."""
@@ -137,9 +156,13 @@ def encoder_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     num_heads * head_dim].
     """
     heads, kv_heads, dim = q.shape[1], k.shape[1], q.shape[2]
-    groups = length_groups(meta, q.device)
     out = q.new_empty(q.shape[0], heads * dim)
-    for layout in groups:
+    if q.is_cuda and bias is None:
+        cu_seqlens, longest = step_seqlens(meta, q.device)
+        varlen_attention(q, k, v, cu_seqlens, longest, scale=scale,
+                         out=out.view(-1, heads, dim))
+        return out
+    for layout in length_groups(meta, q.device):
         # [seqs, heads, longest, dim]
         qp, kp, vp = (to_padded(t, layout).transpose(1, 2) for t in (q, k, v))
         if kv_heads != heads:
