@@ -3,6 +3,10 @@
 # .devcache/minilm-bf16) in bf16 on the GPU against sentence-transformers in fp32 on the
 # same files, then the BERT-base-shaped speed row; logs under $OUT, the tables last.
 #   OUT=/tmp/out bash benchmarks/pooling_device.sh
+# Needs the package's own dependencies importable (gguf among them: vllmpy.tokenizer
+# imports it at start), sentence-transformers, and the MiniLM files in .devcache/minilm-bf16
+# (the checkpoint's tensors rounded to bf16, its tokenizer and module files) and
+# .devcache/minilm-tok (the tokenizer and module files alone, for the BERT-base row).
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/pooling_device}
