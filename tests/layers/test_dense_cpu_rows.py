@@ -1,6 +1,7 @@
-"""A CPU bfloat16 product of many rows runs as a multiple of the row bucket and a
-remainder (a bounded set of oneDNN kernels for steps of any token count): the result is
-F.linear's, bit for bit."""
+"""A CPU bfloat16 product: through a oneDNN-packed copy of the weight where oneDNN has
+bfloat16 kernels (the packed copy replaces the dense one at the first product), and as a
+multiple of the row bucket and a remainder for many rows (a bounded set of oneDNN
+kernels for steps of any token count). Either way the result is F.linear's, bit for bit."""
 
 from __future__ import annotations
 
@@ -8,18 +9,64 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from vllmpy.layers.embedding import head_logits
 from vllmpy.layers.linear import Linear
-from vllmpy.layers.quantization.dense import CPU_BF16_ROW_BUCKET
+from vllmpy.layers.quantization.dense import CPU_BF16_ROW_BUCKET, cpu_packs
+
+ROWS = [1, 7, CPU_BF16_ROW_BUCKET, CPU_BF16_ROW_BUCKET + 1, 200, 256]
+
+
+def bf16_layer(bias: bool, seed: int) -> tuple[Linear, torch.Tensor, torch.Tensor | None]:
+    """A bound Linear(40, 96) in bfloat16 and copies of its weight and bias."""
+    layer = Linear(40, 96, bias=bias)
+    layer.bind_device(torch.device("cpu"))
+    gen = torch.Generator().manual_seed(seed)
+    weight = torch.randn(96, 40, generator=gen).to(torch.bfloat16)
+    b = torch.randn(96, generator=gen).to(torch.bfloat16) if bias else None
+    layer.weight = torch.nn.Parameter(weight.clone(), False)
+    if bias:
+        layer.bias = torch.nn.Parameter(b.clone(), False)
+    return layer, weight, b
 
 
 @pytest.mark.parametrize("bias", [True, False])
-@pytest.mark.parametrize("rows", [1, CPU_BF16_ROW_BUCKET, CPU_BF16_ROW_BUCKET + 1, 200, 256])
-def test_bucketed_rows_equal_f_linear(bias, rows):
-    layer = Linear(40, 96, bias=bias)
+@pytest.mark.parametrize("rows", ROWS)
+def test_bfloat16_rows_equal_f_linear(bias, rows):
+    layer, weight, b = bf16_layer(bias, rows)
+    x = torch.randn(rows, 40, generator=torch.Generator().manual_seed(7)).to(torch.bfloat16)
+    assert torch.equal(layer(x), F.linear(x, weight, b))
+    assert torch.equal(layer(x[: rows // 2 + 1]), F.linear(x[: rows // 2 + 1], weight, b))
+
+
+def test_packed_weight_replaces_the_dense_copy_and_takes_batched_inputs():
+    layer, weight, b = bf16_layer(True, 3)
+    if not cpu_packs(layer.weight):
+        pytest.skip("this CPU's oneDNN has no bfloat16 kernels")
+    x = torch.randn(3, 5, 40).to(torch.bfloat16)
+    out = layer(x)
+    assert out.shape == (3, 5, 96)
+    assert torch.equal(out, F.linear(x, weight, b))
+    assert layer.weight.numel() == 0 and layer.method.packed is not None
+    assert layer.weight.dtype == torch.bfloat16  # the layer still reads as bfloat16
+
+
+def test_float32_weight_stays_dense():
+    layer = Linear(40, 96)
     layer.bind_device(torch.device("cpu"))
-    torch.manual_seed(rows)
-    layer.weight = torch.nn.Parameter(torch.randn(96, 40, dtype=torch.bfloat16), False)
-    if bias:
-        layer.bias = torch.nn.Parameter(torch.randn(96, dtype=torch.bfloat16), False)
-    x = torch.randn(rows, 40, dtype=torch.bfloat16)
-    assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias))
+    layer.weight = torch.nn.Parameter(torch.randn(96, 40), False)
+    x = torch.randn(4, 40)
+    assert torch.equal(layer(x), F.linear(x, layer.weight))
+    assert layer.weight.shape == (96, 40) and layer.method.packed is None
+
+
+@pytest.mark.parametrize("rows", [1, 3, CPU_BF16_ROW_BUCKET + 5])
+def test_tied_bfloat16_head_keeps_the_embedding_and_equals_f_linear(rows):
+    embed = torch.nn.Embedding(300, 40).to(torch.bfloat16)
+    table = embed.weight.detach().clone()
+    hidden = torch.randn(rows, 40).to(torch.bfloat16)
+    out = torch.empty(rows, 300, dtype=torch.bfloat16)
+    logits = head_logits(None, embed, hidden, out)
+    assert torch.equal(logits, F.linear(hidden, table))
+    assert torch.equal(out, logits)
+    assert torch.equal(embed.weight, table)  # the lookups still read every row
+    assert torch.equal(head_logits(None, embed, hidden), F.linear(hidden, table))

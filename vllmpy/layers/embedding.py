@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from vllmpy.layers.linear import Linear, default_weight_loader
-from vllmpy.layers.quantization.dense import DenseMethod
+from vllmpy.layers.quantization.dense import DenseMethod, cpu_packs, pack_cpu, packed_linear
 
 
 class VocabEmbedding(nn.Embedding):
@@ -81,6 +81,17 @@ def head_logits(lm_head: Linear | None, embed_tokens: nn.Embedding,
     elif lm_head is not None and not isinstance(lm_head.method, DenseMethod):
         logits = lm_head(hidden_states)  # the head's quantization method
         logits = logits if out is None else out.copy_(logits)
+    elif lm_head is not None and (lm_head.method.packed is not None
+                                  or cpu_packs(lm_head.weight)):
+        logits = lm_head(hidden_states)  # through its packed copy
+        logits = logits if out is None else out.copy_(logits)
+    elif lm_head is None and cpu_packs(embed_tokens.weight):
+        # a tied head on a bfloat16 CPU: a packed copy beside the embedding (which keeps
+        # its rows for the lookups)
+        packed = getattr(embed_tokens, "packed_head", None)
+        if packed is None:
+            packed = embed_tokens.packed_head = pack_cpu(embed_tokens.weight)
+        logits = packed_linear(hidden_states, packed, None, embed_tokens.weight.shape[0], out)
     else:
         weight = embed_tokens.weight if lm_head is None else lm_head.weight
         if out is not None:
