@@ -40,6 +40,15 @@ _VARIABLES: dict[str, Callable[[], Any]] = {
         os.path.join(os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")),
                      "vllmpy", "weights"),
     ),
+    # "0" keeps the CPU on PyTorch's own ops where vllmpy.ops.cpu_kernels would run its
+    # C kernels (built with the system's C compiler, $CC or cc, on first use).
+    "VT_CPU_KERNELS": lambda: os.environ.get("VT_CPU_KERNELS", "1").strip() != "0",
+    # Where those kernels are built (one shared library per machine and source).
+    "VT_KERNEL_CACHE": lambda: os.environ.get(
+        "VT_KERNEL_CACHE",
+        os.path.join(os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")),
+                     "vllmpy", "kernels"),
+    ),
     # "1" prints one line per load phase with its wall time to stderr.
     "VT_LOAD_STATS": lambda: os.environ.get("VT_LOAD_STATS", "0") == "1",
     # "1" counts the tokens each MoE layer routes to each expert and prints a summary of

@@ -16,6 +16,7 @@ import torch
 
 from vllmpy.attention import cpu_backend
 from vllmpy.attention.backend import FP8_KV_DTYPE, AttentionBackend, TorchReferenceBackend
+from attention.cpu_paths import require_kernels, use_torch_ops
 from vllmpy.attention.cpu_backend import CpuAttentionBackend, _DecodePlan
 from vllmpy.attention.metadata import AttentionMetadata
 
@@ -62,10 +63,15 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-@pytest.fixture(params=["gather", "copies"])
+@pytest.fixture(params=["C kernels", "gather", "copies"])
 def path(request, monkeypatch):
-    """How the CPU backend runs pure decode steps: gathered afresh, or from copies kept
-    across steps, whose rows hold 8 tokens more at a time (short rings)."""
+    """How the CPU backend runs decode steps: the C kernels reading the blocks in place,
+    or PyTorch's ops on them gathered afresh, or on copies kept across steps whose rows
+    hold 8 tokens more at a time (short rings)."""
+    if request.param == "C kernels":
+        require_kernels()
+        return request.param
+    use_torch_ops(monkeypatch)
     if request.param == "copies":
         monkeypatch.setattr(cpu_backend, "MIRROR_MIN_KV_ELEMENTS", 0)
         monkeypatch.setattr(cpu_backend, "MIRROR_STEP", 8)
@@ -247,6 +253,7 @@ def test_blocks_before_the_window_are_never_read(path, cache_dtype):
 
 
 def test_copies_of_windowed_layers_stay_a_window_long_and_share_plans(monkeypatch):
+    use_torch_ops(monkeypatch)  # the PyTorch path's internals
     """Gemma-style layers, windowed and global, over one step's plan: each row takes only
     its new token once the copies hold it, the windowed copies stop growing at a window's
     blocks while the global ones hold every token, and every layer matches."""

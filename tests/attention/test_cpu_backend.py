@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from attention.cpu_paths import cpu_path, use_torch_ops  # noqa: F401 - a fixture
 from vllmpy.attention import cpu_backend
 from vllmpy.attention.backend import FP8_KV_DTYPE, TorchReferenceBackend
 from vllmpy.attention.cpu_backend import CpuAttentionBackend
@@ -83,14 +84,14 @@ MIXES = {
 
 @pytest.mark.parametrize("mix", sorted(MIXES))
 @pytest.mark.parametrize("heads, kv_heads", [(4, 4), (4, 2), (6, 2), (8, 2)])
-def test_matches_the_reference_in_float32(mix, heads, kv_heads):
+def test_matches_the_reference_in_float32(cpu_path, mix, heads, kv_heads):
     out, expected, cache, ref_cache = run_both(MIXES[mix], heads, kv_heads)
     torch.testing.assert_close(out, expected, atol=2e-6, rtol=2e-5)
     assert same_cache(cache, ref_cache)
 
 
 @pytest.mark.parametrize("mix", sorted(MIXES))
-def test_matches_the_reference_in_bfloat16(mix):
+def test_matches_the_reference_in_bfloat16(cpu_path, mix):
     out, expected, cache, ref_cache = run_both(MIXES[mix], 9, 3, 64, torch.bfloat16)
     # the fast path rounds once at the end; the reference rounds scores and weights too
     torch.testing.assert_close(out.float(), expected.float(), atol=2e-2, rtol=2e-2)
@@ -107,7 +108,7 @@ def test_fp8_cache_matches_the_reference(dtype, scales):
     assert same_cache(cache, ref_cache)  # both quantize through write_kv_cache
 
 
-def test_padded_rows_neither_write_the_cache_nor_disturb_real_rows():
+def test_padded_rows_neither_write_the_cache_nor_disturb_real_rows(cpu_path):
     mix = MIXES["prefill between decodes"]
     out, expected, cache, ref_cache = run_both(mix, padding=3)
     torch.testing.assert_close(out, expected, atol=2e-6, rtol=2e-5)
@@ -129,7 +130,7 @@ def test_a_request_with_no_new_tokens_is_skipped():
     assert same_cache(cache, ref_cache)
 
 
-def test_a_decode_sees_exactly_its_own_tokens():
+def test_a_decode_sees_exactly_its_own_tokens(cpu_path):
     """A decode of length L gives softmax-weighted values of its first L slots only: change
     what lies past L in its last block and the output stays the same."""
     q, k, v, cache, meta = make_step([(6, 1), (30, 1)], 4, 2, 8, torch.float32, torch.float32)
@@ -151,6 +152,7 @@ def test_the_attention_layer_serves_the_cpu_through_the_fast_backend():
 
 
 def test_small_decode_steps_run_on_one_thread_and_give_the_threads_back(monkeypatch):
+    use_torch_ops(monkeypatch)  # the PyTorch path's thread handling
     calls: list[int] = []
     monkeypatch.setattr(cpu_backend, "_OPENMP", True)
     monkeypatch.setattr(torch, "get_num_threads", lambda: 4)
@@ -177,7 +179,7 @@ def test_small_decode_steps_run_on_one_thread_and_give_the_threads_back(monkeypa
 
 @pytest.mark.parametrize("backend", [CpuAttentionBackend, TorchReferenceBackend])
 @pytest.mark.parametrize("mix", ["one decode", "decodes, a chunk over context, a fresh prefill"])
-def test_kv_stored_skips_the_write_and_reads_what_the_caller_stored(backend, mix):
+def test_kv_stored_skips_the_write_and_reads_what_the_caller_stored(cpu_path, backend, mix):
     from vllmpy.attention.backend import write_kv_cache
 
     q, k, v, cache, meta = make_step(MIXES[mix], 6, 2, 16, torch.float32, torch.float32)

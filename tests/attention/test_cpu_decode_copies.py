@@ -11,6 +11,7 @@ import torch
 
 from vllmpy.attention import cpu_backend
 from vllmpy.attention.backend import FP8_KV_DTYPE, TorchReferenceBackend
+from attention.cpu_paths import use_torch_ops
 from vllmpy.attention.cpu_backend import CpuAttentionBackend, _DecodePlan
 from vllmpy.attention.metadata import AttentionMetadata
 
@@ -20,8 +21,10 @@ HEADS, KV_HEADS, DIM = 6, 2, 16
 
 @pytest.fixture(autouse=True)
 def copies_for_every_decode_step(monkeypatch):
-    """These steps are small: keep copies for all of them (a test may set it back)."""
+    """These steps are small: keep copies for all of them (a test may set it back), on
+    PyTorch's ops (the C kernels keep no copies)."""
     monkeypatch.setattr(cpu_backend, "MIRROR_MIN_KV_ELEMENTS", 0)
+    use_torch_ops(monkeypatch)  # the copies are the PyTorch path's
 
 
 class Engine:

@@ -38,6 +38,8 @@ import itertools
 import math
 import weakref
 
+from typing import Any
+
 import torch
 
 from vllmpy.attention.backend import (
@@ -49,6 +51,7 @@ from vllmpy.attention.backend import (
     write_kv_cache,
 )
 from vllmpy.attention.metadata import AttentionMetadata
+from vllmpy.ops import cpu_kernels
 
 # The most float32 scores one prefill piece holds at a time (16 MiB)
 SCORES_BUDGET = 1 << 22
@@ -77,6 +80,7 @@ class CpuAttentionBackend(AttentionBackend):
         self.group = num_heads // num_kv_heads
         self._no_bias: dict[torch.device, torch.Tensor] = {}  # baddbmm's ignored input
         self._mirror: _DecodeMirror | None = None
+        self._kernels: Any = None  # the C kernels' library, False without it
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: torch.Tensor, meta: AttentionMetadata,
@@ -90,6 +94,13 @@ class CpuAttentionBackend(AttentionBackend):
             k, v, slots = k[:num_tokens], v[:num_tokens], slots[:num_tokens]
         starts = meta.query_start_loc_cpu
         decodes = [i for i in range(meta.num_reqs) if starts[i + 1] - starts[i] == 1]
+        native = self._native_rows(q, kv_cache)
+        if native is not None and len(decodes) == meta.num_reqs == q.shape[0]:
+            if not kv_stored:
+                write_kv_cache(k, v, kv_cache, slots, *scales)
+            out = torch.empty_like(q)
+            self._native_decode(native, q, kv_cache, meta, decodes, sinks, out)
+            return out
         if len(decodes) == meta.num_reqs == q.shape[0]:  # a pure decode step, no padding
             threads = torch.get_num_threads()
             longest = max(meta.seq_lens_cpu)
@@ -115,7 +126,9 @@ class CpuAttentionBackend(AttentionBackend):
         if not kv_stored:
             write_kv_cache(k, v, kv_cache, slots, *scales)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        if decodes:
+        if decodes and native is not None:
+            self._native_decode(native, q, kv_cache, meta, decodes, sinks, out)
+        elif decodes:
             tokens = [starts[i] for i in decodes]
             attn = self._decode(q, kv_cache, meta, decodes, scales, sinks)  # [R, heads, dim]
             r = len(tokens)
@@ -127,6 +140,29 @@ class CpuAttentionBackend(AttentionBackend):
             if starts[i + 1] - starts[i] > 1:
                 self._prefill(q, kv_cache, meta, i, out, scales, sinks)
         return out
+
+    def _native_rows(self, q: torch.Tensor, kv_cache: torch.Tensor) -> Any:
+        """The C kernels' library when they take this step's decodes (a cache and queries
+        of a dtype they read, heads contiguous), else None."""
+        if self._kernels is None:
+            self._kernels = cpu_kernels.kernels() or False
+        if (self._kernels is False or cpu_kernels.code(kv_cache.dtype) is None
+                or cpu_kernels.code(q.dtype) is None or q.stride(-1) != 1):
+            return None
+        return self._kernels
+
+    def _native_decode(self, lib: Any, q: torch.Tensor, kv_cache: torch.Tensor,
+                       meta: AttentionMetadata, rows: list[int],
+                       sinks: torch.Tensor | None, out: torch.Tensor) -> None:
+        """The one-token queries of requests ``rows`` through the C kernel, which reads
+        the cache blocks in place: written into their rows of ``out``."""
+        index = _DecodeIndex.for_step(meta, rows)
+        work = 2 * sum(index.lens) * self.num_kv_heads * self.head_dim
+        threads = 1 if work <= SERIAL_KV_ELEMENTS else torch.get_num_threads()
+        flat_sinks = None if sinks is None else sinks.reshape(-1).contiguous()
+        cpu_kernels.decode_attention(
+            lib, q, kv_cache, meta.block_tables, index.rows, index.tokens, index.seq_lens,
+            self.scale, self.logit_softcap, self.sliding_window, flat_sinks, out, threads)
 
     def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
                 rows: list[int], scales: tuple[float, float],
@@ -272,6 +308,28 @@ class CpuAttentionBackend(AttentionBackend):
             attn = torch.bmm(weights, values[:, seen])
             attn = attn.view(kvh, n, group, dim).transpose(0, 1)  # [n, kv_heads, group, dim]
             out[lo:hi].view(n, kvh, group, dim).copy_(attn)
+
+
+class _DecodeIndex:
+    """The C decode kernel's int64 arguments for one step's decode rows (request, query
+    token, length), made once per step: every layer sees the same metadata."""
+
+    _last: _DecodeIndex | None = None
+
+    def __init__(self, meta: AttentionMetadata, rows: list[int]) -> None:
+        self.meta, self.key = weakref.ref(meta), rows
+        starts = meta.query_start_loc_cpu
+        self.lens = [meta.seq_lens_cpu[i] for i in rows]
+        self.rows = torch.tensor(rows, dtype=torch.int64)
+        self.tokens = torch.tensor([starts[i] for i in rows], dtype=torch.int64)
+        self.seq_lens = torch.tensor(self.lens, dtype=torch.int64)
+
+    @classmethod
+    def for_step(cls, meta: AttentionMetadata, rows: list[int]) -> _DecodeIndex:
+        index = cls._last
+        if index is None or index.meta() is not meta or index.key != rows:
+            index = cls._last = cls(meta, rows)
+        return index
 
 
 class _DecodeMirror:
