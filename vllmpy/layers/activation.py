@@ -8,12 +8,14 @@ keep the shape.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from vllmpy.layers.custom_op import CustomOp
+from vllmpy.ops import cpu_kernels
 from vllmpy.ops.native import gelu_and_mul_torch, gelu_new_torch, silu_and_mul_torch
 
 # config name -> the plain function
@@ -51,11 +53,16 @@ def check_activation(name: str, key: str, gated: bool) -> str:
 class SiluAndMul(CustomOp):
     """silu(x[..., :d]) * x[..., d:] for x of shape [..., 2 * d] (gate and up stacked)."""
 
+    _cpu: Any = None  # the C kernels, once bound to a CPU that has them
+
     def forward_native(self, x: torch.Tensor) -> torch.Tensor:
+        if self._cpu is not None and cpu_kernels.takes_rows(x):
+            return cpu_kernels.silu_and_mul(self._cpu, x, cpu_kernels.threads_for(x.numel()))
         return silu_and_mul_torch(x)
 
     def bind_device(self, device: torch.device) -> None:
         super().bind_device(device)
+        self._cpu = cpu_kernels.kernels() if device.type == "cpu" else None
         if self.on_cuda:
             from vllmpy.ops import fused
 

@@ -3,7 +3,7 @@ convention): ``norm(x)`` is the normalized x; ``norm(x, residual)`` is
 ``(normalized(x + residual), x + residual)``.
 
 - ``RMSNorm``: ``w * rms_normalized(x)`` (Llama, Qwen, Mistral, OLMo-2, ...), a fused
-  Triton kernel on CUDA;
+  Triton kernel on CUDA, a C kernel on the CPU (``vllmpy.ops.cpu_kernels``);
 - ``GemmaRMSNorm``: ``(1 + w) * rms_normalized(x)``, the product taken in fp32 before the
   one rounding (Gemma's own arithmetic);
 - ``LayerNorm``: mean and variance, with an optional bias (GPT-2, OPT, GPT-NeoX, StableLM,
@@ -12,11 +12,14 @@ convention): ``norm(x)`` is the normalized x; ``norm(x, residual)`` is
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from vllmpy.layers.custom_op import CustomOp
+from vllmpy.ops import cpu_kernels
 from vllmpy.ops.native import rms_norm_cpu
 
 Normed = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
@@ -27,9 +30,16 @@ class RMSNorm(CustomOp):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.empty(hidden_size), requires_grad=False)
+        self._cpu: Any = None  # the C kernels, once bound to a CPU that has them
 
     def forward_native(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> Normed:
         """Without ``residual``: norm(x). With it: (norm(x + residual), x + residual)."""
+        lib = self._cpu
+        if lib is not None and cpu_kernels.takes_rows(
+                x, self.weight.view(1, -1), *(() if residual is None else (residual,))):
+            out, summed = cpu_kernels.add_rms_norm(
+                lib, x, residual, self.weight, self.eps, cpu_kernels.threads_for(x.numel()))
+            return out if summed is None else (out, summed)
         if residual is None:
             return rms_norm_cpu(x, self.weight, self.eps)
         x = x + residual
@@ -37,6 +47,7 @@ class RMSNorm(CustomOp):
 
     def bind_device(self, device: torch.device) -> None:
         super().bind_device(device)
+        self._cpu = cpu_kernels.kernels() if device.type == "cpu" else None
         if self.on_cuda:
             from vllmpy.ops import fused
 

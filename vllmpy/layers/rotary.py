@@ -40,6 +40,7 @@ from typing import Any, ClassVar
 import torch
 
 from vllmpy.layers.custom_op import CustomOp
+from vllmpy.ops import cpu_kernels
 from vllmpy.ops.native import rotary_cpu, rotary_cpu_table, rotary_torch
 
 # rope type -> (fields it needs, optional fields it reads); every type also reads
@@ -234,6 +235,8 @@ class RotaryEmbedding(CustomOp):
     kernels, which rotate whole heads in halves, may rotate with ``cos_sin_cache``.
     """
 
+    _cpu: Any = None  # the C kernels, once bound to a CPU that has them
+
     SUPPORTED_SCALING = tuple(SCALING_FIELDS)
     _tables: ClassVar[dict[tuple[Any, ...], torch.Tensor]] = {}
     _cpu_tables: ClassVar[dict[tuple[Any, ...], torch.Tensor]] = {}
@@ -316,13 +319,34 @@ class RotaryEmbedding(CustomOp):
 
     def forward_native(self, positions: torch.Tensor, q: torch.Tensor,
                        k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.is_neox_style and self._cpu is not None:
+            rotated = self._rotate_in_c(positions, q, k)
+            if rotated is not None:
+                return rotated
         if self.is_neox_style:
             return rotary_cpu(positions, q, k, self.cpu_table(q.device), self.head_dim)
         return rotary_torch(positions, q, k, self.cos_sin_cache(q.device), self.head_dim,
                             is_neox_style=False)
 
+    def _rotate_in_c(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``rotary_cpu``'s result through the C kernel, on fresh copies of q and k; None
+        for shapes it does not take."""
+        n = q.shape[0]
+        q2, k2 = q.reshape(n, -1), k.reshape(n, -1)
+        cache = self.cos_sin_cache(q.device)
+        if (not cpu_kernels.takes_rows(q2, k2) or cache.shape[1] > 1024
+                or positions.dtype != torch.int64 or not positions.is_contiguous()):
+            return None
+        q2, k2 = q2.clone(memory_format=torch.contiguous_format), \
+            k2.clone(memory_format=torch.contiguous_format)
+        cpu_kernels.rotary_neox(self._cpu, positions, q2, k2, cache, self.head_dim,
+                                cpu_kernels.threads_for(q2.numel() + k2.numel()))
+        return q2.view(q.shape), k2.view(k.shape)
+
     def bind_device(self, device: torch.device) -> None:
         super().bind_device(device)
+        self._cpu = cpu_kernels.kernels() if device.type == "cpu" else None
         if self.on_cuda and self.fusable:
             from vllmpy.ops import fused
 

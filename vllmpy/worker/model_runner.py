@@ -21,11 +21,13 @@ from vllmpy.layers.attention import Attention
 from vllmpy.layers.custom_op import bind_ops
 from vllmpy.layers.linear import Linear, describe_quantized_layers
 from vllmpy.layers.quantization import quantize_model
+from vllmpy.layers.quantization.dense import cpu_packs
 from vllmpy.loader.load_stats import LoadStats
 from vllmpy.loader.materialize import materialize
 from vllmpy.loader.source import ModelSource, iter_checkpoint_weights
 from vllmpy.models.interface import CausalLM
 from vllmpy.models.registry import resolve_model_class
+from vllmpy.ops import cpu_kernels
 from vllmpy.ops.precompile import (
     KernelCompiler,
 )
@@ -121,6 +123,8 @@ class ModelRunner(StartupMixin):
     def load_model(self, source: ModelSource) -> None:
         if self.device.type == "cuda":
             self._start_kernel_compiler()
+        else:
+            log(describe_cpu(self.config.model.dtype))
         stats = LoadStats()
         mc = self.config.model
         self.model = self.build_model(source, mc.text_config, mc.quantization, stats)
@@ -709,3 +713,14 @@ def _concat_rows(rows: list[LogprobsLists | None]) -> LogprobsLists | None:
 
 
 _TORCH_DTYPES = {np.int64: torch.int64, np.int32: torch.int32}
+
+
+def describe_cpu(dtype: torch.dtype) -> str:
+    """The CPU start-up line: PyTorch's threads, the C kernels' state and how bfloat16
+    linear layers multiply."""
+    line = f"CPU: {torch.get_num_threads()} threads; {cpu_kernels.status()}"
+    if dtype == torch.bfloat16:
+        packs = cpu_packs(torch.empty(0, dtype=torch.bfloat16))
+        line += ("; bfloat16 linear layers through oneDNN-packed weights" if packs
+                 else "; bfloat16 linear layers through F.linear (no oneDNN bfloat16 kernels)")
+    return line
