@@ -20,6 +20,8 @@ from vllmpy.loader.materialize import materialize
 from vllmpy.models.registry import resolve_model_class, text_config
 
 BLOCK = 16
+# the transformers release the model tests compare against (pyproject's test extra)
+ORACLE_TRANSFORMERS = "5.23.0"
 
 
 def build(path: Path, num_seats: int, max_len: int = 256) -> torch.nn.Module:
@@ -112,3 +114,35 @@ def assert_matches_transformers(model: torch.nn.Module, hf_model: torch.nn.Modul
         torch.testing.assert_close(lp[:steps], ref.logprobs[:steps], atol=atol, rtol=0)
         compared += steps
     assert compared >= min_tokens, f"only {compared} tokens compared (floor {min_tokens})"
+
+
+@torch.no_grad()
+def assert_gated_norms_grouped(hf_model: torch.nn.Module) -> int:
+    """transformers' Mamba2 mixers of more than one group normalize each group of
+    intermediate_size / n_groups channels on its own, as the original Mamba2
+    (mamba_ssm's RMSNormGated with group_size = d_ssm // ngroups) and ``Mamba2Mixer`` do:
+    scaling every group but the first leaves the first group's output as it was. Some
+    releases (transformers 5.17's Mamba2 and GraniteMoeHybrid) normalize over the whole
+    width; against those the engine is off for reasons of the oracle's own. Returns the
+    number of grouped norms checked."""
+    import transformers
+
+    checked = 0
+    for name, mixer in hf_model.named_modules():
+        norm, groups = getattr(mixer, "norm", None), getattr(mixer, "n_groups", 1)
+        if norm is None or not hasattr(mixer, "A_log") or groups < 2:
+            continue
+        width = norm.weight.shape[0]
+        first = width // groups
+        g = torch.Generator().manual_seed(0)
+        x, gate = (torch.randn(1, 2, width, generator=g).to(norm.weight) for _ in range(2))
+        scaled = x.clone()
+        scaled[..., first:] *= 10.0  # [1, 2, width]: every group but the first
+        before, after = norm(x, gate)[..., :first], norm(scaled, gate)[..., :first]
+        assert torch.allclose(before, after, rtol=1e-3, atol=1e-5), (
+            f"transformers {transformers.__version__}: {type(norm).__name__} of {name} "
+            f"normalizes over all {width} channels, not per group of {first} "
+            f"(n_groups={groups}) as Mamba2 does; the model tests' oracle is "
+            f"transformers=={ORACLE_TRANSFORMERS}")
+        checked += 1
+    return checked

@@ -4,7 +4,9 @@ are off for recurrent layers), against transformers in bf16 on the same device a
 test_families_gpu's: identical continuations, or a first difference at a near-tie of
 transformers' own logits; where fewer agree (a tiny random model can be chaotic in bf16),
 the engine's teacher-forced log-probs must be as close to transformers' float32 as
-transformers' own bf16 is."""
+transformers' own bf16 is. The Mamba2 families first check that the installed transformers
+normalizes their gated RMSNorm per group (``assert_gated_norms_grouped``): against a release
+that does not, every comparison here would measure the oracle."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import copy
 
 import pytest
 import torch
+from models.hybrid_harness import assert_gated_norms_grouped
 from models.test_bf16_agreement import TIE_ULPS, bf16_ulp
 from models.test_families_gpu import _errors_against_float32
 
@@ -54,6 +57,7 @@ VARIANTS = ["qwen3_next", "qwen3_5", "qwen3_5_moe", "mamba2", "nemotron_h",
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_bf16_agrees_with_transformers(variant, tmp_path):
     hf32, vocab = _build(variant, tmp_path)
+    assert_gated_norms_grouped(hf32)
     hf32 = hf32.to(device="cuda")
     hf = copy.deepcopy(hf32).to(dtype=torch.bfloat16)
     llm = LLM(str(tmp_path), skip_tokenizer_init=True, device="cuda", dtype="bfloat16",

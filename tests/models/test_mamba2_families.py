@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 from hf_oracle import assert_outputs_match
-from models.hybrid_harness import assert_matches_transformers, build
+from models.hybrid_harness import assert_gated_norms_grouped, assert_matches_transformers, build
 
 from vllmpy import LLM, SamplingParams
 from vllmpy.config import ConfigError
@@ -107,6 +107,19 @@ def _prompts(n: int, seed: int, lengths: tuple[int, int] = (1, 40)) -> list[list
 def tiny(request, tmp_path_factory):
     path = tmp_path_factory.mktemp(request.param)
     return request.param, path, _make(request.param, path)
+
+
+# the variants of more than one group in their Mamba2 mixers' gated norm
+GROUPED = ("mamba2", "nemotron_h", "granite_moe_hybrid", "falcon_h1")
+
+
+def test_oracle_normalizes_the_gated_norm_per_group(tiny):
+    """The comparisons below hold only against a transformers whose gated RMSNorm
+    normalizes per group of intermediate_size / n_groups, as Mamba2 does; a release that
+    normalizes over the whole width is named here rather than as log-prob mismatches."""
+    variant, _, hf_model = tiny
+    checked = assert_gated_norms_grouped(hf_model)
+    assert (checked > 0) == (variant in GROUPED), (variant, checked)
 
 
 def test_model_steps_match_transformers(tiny):
