@@ -154,6 +154,42 @@ def test_decode_kernel_on_strided_slices_and_bf16_state():
     torch.testing.assert_close(state.cpu().float(), ref_state.float(), atol=1e-2, rtol=1e-2)
 
 
+def test_bf16_inputs_give_float32_y_when_asked():
+    """bfloat16 x, B, C and state with ``out_dtype=float32`` (as the Mamba2 mixer asks):
+    every path returns the float32 reference of the same inputs, not its bf16 rounding."""
+    lengths, seats = [5, 1, 3], [2, 0, 3]
+    qsl, tokens = _step(lengths)
+    inp = {k: v.to(torch.bfloat16) if k in ("x", "B", "C") else v
+           for k, v in _inputs(tokens, 12).items()}
+    ref_state = _states(4, 13).to(torch.bfloat16)
+    ref = ssd_reference(**inp, state=ref_state, query_start_loc=qsl, seats=seats,
+                        out_dtype=torch.float32)
+    assert ref.dtype == torch.float32
+    state = _states(4, 13).to(torch.bfloat16)
+    chunked = ssd_chunked(**inp, state=state, query_start_loc=qsl, seats=seats, chunk=2,
+                          out_dtype=torch.float32)
+    state = _states(4, 13).to(torch.bfloat16).to(DEVICE)
+    qsl_t, seats_t = _device_args(qsl, seats)
+    kernel = ssd_prefill(**{k: v.to(DEVICE) for k, v in inp.items()}, state=state,
+                         query_start_loc=qsl_t, seats=seats_t, out_dtype=torch.float32)
+    one = {k: (v[:1] if v.shape[0] == tokens and k not in ("A", "D", "dt_bias") else v)
+           for k, v in inp.items()}
+    decode = ssd_decode(**{k: v.to(DEVICE) for k, v in one.items()},
+                        state=_states(4, 13).to(torch.bfloat16).to(DEVICE),
+                        query_start_loc=_device_args([0, 1], [2])[0],
+                        seats=_device_args([0, 1], [2])[1], out_dtype=torch.float32)
+    for out in (chunked, kernel.cpu(), decode.cpu()):
+        assert out.dtype == torch.float32
+    torch.testing.assert_close(chunked, ref, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(kernel.cpu(), ref, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(decode.cpu(), ref[:1], atol=1e-4, rtol=1e-4)
+    # the default keeps x's dtype: the same values, rounded once
+    rounded = ssd_reference(**inp, state=_states(4, 13).to(torch.bfloat16),
+                            query_start_loc=qsl, seats=seats)
+    assert rounded.dtype == torch.bfloat16
+    assert torch.equal(rounded, ref.to(torch.bfloat16))
+
+
 def test_launcher_refuses_bad_shapes():
     inp = _inputs(4, 10)
     state = _states(2, 11)

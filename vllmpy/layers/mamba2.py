@@ -10,7 +10,8 @@ forward, for the step's tokens:
 1. zxbcdt = in_proj(hidden * in_multiplier) (times the per-part multipliers, Falcon-H1);
 2. x | B | C through the causal depthwise convolution and SiLU
    (``vllmpy.ops.causal_conv1d``), its window carried in the seat's ``conv`` state;
-3. the SSD recurrence (``vllmpy.ops.mamba_ssd``) from the seat's ``ssm`` state;
+3. the SSD recurrence (``vllmpy.ops.mamba_ssd``) from the seat's ``ssm`` state, its output
+   y kept in float32 (as transformers keeps it) for
 4. the gated RMSNorm over n_groups groups: norm(y * silu(z)) (``norm_before_gate=False``,
    transformers' MambaRMSNormGated) or norm(y) * silu(z) (Falcon-H1's option), or no norm
    and y * silu(z) (Falcon-H1 without ``mamba_rms_norm``);
@@ -220,7 +221,7 @@ class Mamba2Mixer(CustomOp):
                                 conv_state, qsl, seats)
         x, B, C = self._split(xbc)
         y = ssd_chunked(x, dt, -torch.exp(self.A_log.float()), B, C, self.D, self.dt_bias,
-                        ssm_state, qsl, seats, self.time_step_limit)
+                        ssm_state, qsl, seats, self.time_step_limit, out_dtype=torch.float32)
         return self._output(y, z, hidden_states.dtype)
 
     def forward_cuda(self, hidden_states: torch.Tensor,
@@ -235,5 +236,5 @@ class Mamba2Mixer(CustomOp):
         x, B, C = self._split(xbc)
         ssd = self._ssd_decode if attn_metadata.max_query_len == 1 else self._ssd_prefill
         y = ssd(x, dt, -torch.exp(self.A_log.float()), B, C, self.D, self.dt_bias,
-                ssm_state, qsl, seats, self.time_step_limit)
+                ssm_state, qsl, seats, self.time_step_limit, out_dtype=torch.float32)
         return self._output(y, z, hidden_states.dtype)

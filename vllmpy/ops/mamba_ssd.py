@@ -11,7 +11,8 @@ share them, N = d_state), dt [H] raw from the input projection:
     y   = S . C + D * x                   (y [H, P])
 
 B and C of head h are those of its group h // (H // G). Every computation is float32;
-the state is stored in its own tensor's dtype.
+the state is stored in its own tensor's dtype, and y in ``out_dtype`` (x's dtype unless
+asked otherwise: the Mamba2 mixer takes it in float32 into its gated norm).
 
 A step's tokens are the concatenation of its requests': request r owns rows
 ``query_start_loc[r]:query_start_loc[r+1]`` and its state lives in seat
@@ -90,12 +91,13 @@ def _check_layout(x: torch.Tensor, dt: torch.Tensor, B: torch.Tensor, C: torch.T
 def ssd_reference(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
                   C: torch.Tensor, D: torch.Tensor, dt_bias: torch.Tensor,
                   state: torch.Tensor, query_start_loc: list[int], seats: list[int],
-                  dt_limit: tuple[float, float] = (0.0, math.inf)) -> torch.Tensor:
+                  dt_limit: tuple[float, float] = (0.0, math.inf), *,
+                  out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """The recurrence token by token (the oracle): x [T, H, P], dt [T, H] raw, B and C
     [T, G, N]; ``state`` [num_seats + 1, H, P, N] is read and written at ``seats``.
-    Returns y [T, H, P] in x's dtype."""
+    Returns y [T, H, P] in ``out_dtype`` (None: x's dtype)."""
     _check_layout(x, dt, B, C, state)
-    y = torch.zeros(x.shape, dtype=x.dtype, device=x.device)
+    y = torch.zeros(x.shape, dtype=out_dtype or x.dtype, device=x.device)
     dt = discretize_dt(dt, dt_bias, dt_limit)
     for r, seat in enumerate(seats):
         s = state[seat].float()[None]  # [1, H, P, N]
@@ -142,13 +144,13 @@ def _scan_one(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tenso
 def ssd_chunked(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
                 C: torch.Tensor, D: torch.Tensor, dt_bias: torch.Tensor, state: torch.Tensor,
                 query_start_loc: list[int], seats: list[int],
-                dt_limit: tuple[float, float] = (0.0, math.inf), chunk: int = 64
-                ) -> torch.Tensor:
+                dt_limit: tuple[float, float] = (0.0, math.inf), chunk: int = 64, *,
+                out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """``ssd_reference``'s result through a chunked scan per request (``_scan_one``), the
     requests of one token batched into a single step: the CPU path."""
     _check_layout(x, dt, B, C, state)
     heads = x.shape[1]
-    y = torch.zeros(x.shape, dtype=x.dtype, device=x.device)
+    y = torch.zeros(x.shape, dtype=out_dtype or x.dtype, device=x.device)
     dt = discretize_dt(dt, dt_bias, dt_limit)
     A, D = A.float(), D.float()
     singles = [r for r in range(len(seats))
@@ -252,7 +254,8 @@ def _block_sizes(head_dim: int, d_state: int) -> tuple[int, int]:
 def _launch(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
             C: torch.Tensor, D: torch.Tensor, dt_bias: torch.Tensor, state: torch.Tensor,
             query_start_loc: torch.Tensor, seats: torch.Tensor,
-            dt_limit: tuple[float, float], decode: bool) -> torch.Tensor:
+            dt_limit: tuple[float, float], decode: bool, out_dtype: torch.dtype | None
+            ) -> torch.Tensor:
     _check_layout(x, dt, B, C, state)
     for name, t in (("x", x), ("dt", dt), ("B", B), ("C", C), ("state", state)):
         check_float(name, t, "SSD kernels")
@@ -264,7 +267,7 @@ def _launch(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
                          f"{num_reqs} requests (expected {num_reqs + 1})")
     tokens, heads, head_dim = x.shape
     groups, d_state = B.shape[1:]
-    y = torch.zeros((tokens, heads, head_dim), dtype=x.dtype, device=x.device)
+    y = torch.zeros((tokens, heads, head_dim), dtype=out_dtype or x.dtype, device=x.device)
     if num_reqs == 0 or tokens == 0:
         return y
     block_p, block_n = _block_sizes(head_dim, d_state)
@@ -282,20 +285,23 @@ def _launch(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
 def ssd_decode(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
                C: torch.Tensor, D: torch.Tensor, dt_bias: torch.Tensor, state: torch.Tensor,
                query_start_loc: torch.Tensor, seats: torch.Tensor,
-               dt_limit: tuple[float, float] = (0.0, math.inf)) -> torch.Tensor:
+               dt_limit: tuple[float, float] = (0.0, math.inf), *,
+               out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """A decode step (each request has at most one token, row ``query_start_loc[r]``) on
     the device: ``ssd_reference``'s result and state update, query_start_loc [R + 1] and
     seats [R] int32 device tensors. The last dimension of x, dt, B, C and state must be
-    contiguous; other strides are free (slices of a projection are taken as they are)."""
+    contiguous; other strides are free (slices of a projection are taken as they are).
+    y comes in ``out_dtype`` (None: x's dtype)."""
     return _launch(x, dt, A, B, C, D, dt_bias, state, query_start_loc, seats, dt_limit,
-                   decode=True)
+                   decode=True, out_dtype=out_dtype)
 
 
 def ssd_prefill(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
                 C: torch.Tensor, D: torch.Tensor, dt_bias: torch.Tensor, state: torch.Tensor,
                 query_start_loc: torch.Tensor, seats: torch.Tensor,
-                dt_limit: tuple[float, float] = (0.0, math.inf)) -> torch.Tensor:
+                dt_limit: tuple[float, float] = (0.0, math.inf), *,
+                out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """Any mix of request lengths (prefill chunks and decodes), as ``ssd_decode`` takes
     its arguments; each request's tokens are walked in order from its seat's state."""
     return _launch(x, dt, A, B, C, D, dt_bias, state, query_start_loc, seats, dt_limit,
-                   decode=False)
+                   decode=False, out_dtype=out_dtype)
