@@ -1,12 +1,14 @@
 """The hybrid and latent-attention families in bf16 on a CUDA device (eagerly: CUDA graphs
-are off for recurrent layers), against transformers in bf16 on the same device and the same tiny random weights
-(the tiny models their CPU test files build). The agreement rule is
-test_families_gpu's: identical continuations, or a first difference at a near-tie of
-transformers' own logits; where fewer agree (a tiny random model can be chaotic in bf16),
-the engine's teacher-forced log-probs must be as close to transformers' float32 as
-transformers' own bf16 is. The Mamba2 families first check that the installed transformers
-normalizes their gated RMSNorm per group (``assert_gated_norms_grouped``): against a release
-that does not, every comparison here would measure the oracle."""
+are off for recurrent layers), against transformers in bf16 on the same device and the
+same tiny random weights (the tiny models their CPU test files build). The agreement rule
+is test_families_gpu's: identical continuations, or a first difference at a near-tie of
+transformers' own logits. Where fewer than 90% agree (a tiny random model can be chaotic
+in bf16), the engine's teacher-forced log-probs must be as close to transformers' float32
+as transformers' own bf16 is, and 60% of the continuations agree, or 60% of as many as
+transformers' own bf16 agrees on with its float32 where that is fewer. The Mamba2
+families first check that the installed transformers normalizes their gated RMSNorm per
+group (``assert_gated_norms_grouped``): against a release that does not, every comparison
+here would measure the oracle."""
 
 from __future__ import annotations
 
@@ -40,14 +42,35 @@ def hf_trace(model, prompt: list[int], steps: int) -> tuple[list[int], list[floa
     """Transformers' greedy tokens, each step over the whole sequence (no cache: the
     families keep their recurrent states in different cache classes), and per step the
     top-2 margin in bf16 units of the largest logit."""
+    device = next(model.parameters()).device
     tokens, margins = list(prompt), []
     for _ in range(steps):
-        logits = model(input_ids=torch.tensor([tokens], device="cuda")).logits[0, -1].float()
+        logits = model(input_ids=torch.tensor([tokens], device=device)).logits[0, -1].float()
         top = torch.topk(logits, 2)
         tokens.append(int(top.indices[0]))
         margins.append(float(top.values[0] - top.values[1])
                        / bf16_ulp(float(logits.abs().max())))
     return tokens[len(prompt):], margins
+
+
+def agreement(continuations: list[list[int]], traces: list[tuple[list[int], list[float]]]
+              ) -> tuple[int, int, list[tuple]]:
+    """(identical, agree, disagreements) of greedy continuations against reference traces
+    (``hf_trace``): agree when identical, or first different at a near-tie of the
+    reference's logits; each disagreement as (step, token, reference token, margin)."""
+    identical = agree = 0
+    disagreements = []
+    for ours, (ref, margins) in zip(continuations, traces, strict=True):
+        if ours == ref:
+            identical += 1
+            agree += 1
+            continue
+        i = next(j for j, (a, b) in enumerate(zip(ours, ref)) if a != b)
+        if margins[i] <= TIE_ULPS:
+            agree += 1
+        else:
+            disagreements.append((i, ours[i], ref[i], round(margins[i], 1)))
+    return identical, agree, disagreements
 
 
 VARIANTS = ["qwen3_next", "qwen3_5", "qwen3_5_moe", "mamba2", "nemotron_h",
@@ -68,26 +91,21 @@ def test_bf16_agrees_with_transformers(variant, tmp_path):
                for n in torch.randint(3, 80, (24,), generator=g)]
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=32,
                                                 ignore_eos=True), use_tqdm=False)
-    identical = agree = 0
-    disagreements = []
-    for prompt, out in zip(prompts, outs):
-        ours = list(out.outputs[0].token_ids)
-        ref, margins = hf_trace(hf, prompt, 32)
-        if ours == ref:
-            identical += 1
-            agree += 1
-            continue
-        i = next(j for j, (a, b) in enumerate(zip(ours, ref)) if a != b)
-        if margins[i] <= TIE_ULPS:
-            agree += 1
-        else:
-            disagreements.append((i, ours[i], ref[i], round(margins[i], 1)))
+    hf_traces = [hf_trace(hf, prompt, 32) for prompt in prompts]
+    identical, agree, disagreements = agreement(
+        [list(out.outputs[0].token_ids) for out in outs], hf_traces)
     print(f"{variant} cuda bf16: {identical}/{len(prompts)} identical, "
           f"{agree}/{len(prompts)} agree")
     if agree >= 0.9 * len(prompts):
         return
     ours_err, hf_err = _errors_against_float32(llm, hf32, hf, prompts[:6])
+    # transformers' own bf16 against its float32, by the same rule: the floor is 60% of
+    # the prompts, or of those where fewer agree (a tiny model chaotic in bf16 parts from
+    # its float32 as often in transformers' hands)
+    _, hf_agree, _ = agreement([tokens for tokens, _ in hf_traces],
+                               [hf_trace(hf32, prompt, 32) for prompt in prompts])
     print(f"{variant}: log-prob error against float32: ours {ours_err:.4f}, "
-          f"transformers bf16 {hf_err:.4f}")
-    assert agree >= 0.6 * len(prompts), (variant, identical, disagreements)
+          f"transformers bf16 {hf_err:.4f}; transformers bf16 agrees with its float32 on "
+          f"{hf_agree}/{len(prompts)}")
+    assert agree >= 0.6 * min(len(prompts), hf_agree), (variant, identical, disagreements)
     assert ours_err <= 1.25 * hf_err, (variant, ours_err, hf_err, disagreements)
