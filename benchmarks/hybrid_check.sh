@@ -10,7 +10,8 @@
 # Logs under $OUT, the summary last.
 #   OUT=/tmp/out bash benchmarks/hybrid_check.sh
 # Needs the wheels in .devcache/whl (gguf, which vllmpy.tokenizer imports at start, and
-# transformers at the pinned version); carry .devcache/whl. Tracked files kept in
+# transformers at the pinned version: `pip download --no-deps --only-binary=:all: -d
+# .devcache/whl transformers==VERSION`); carry .devcache/whl. Tracked files kept in
 # .devcache/hybrid-head (HEAD's versions of files a concurrent edit leaves half-done) are
 # copied over the tree first.
 set -u
