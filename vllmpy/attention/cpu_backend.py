@@ -41,6 +41,7 @@ import weakref
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from vllmpy.attention.backend import (
     FP8_KV_DTYPE,
@@ -53,6 +54,9 @@ from vllmpy.attention.backend import (
 from vllmpy.attention.metadata import AttentionMetadata
 from vllmpy.ops import cpu_kernels
 
+# Query dtypes whose prefills go through PyTorch's fused attention (float16 keeps the
+# float32 score path)
+SDPA_DTYPES = (torch.float32, torch.bfloat16)
 # The most float32 scores one prefill piece holds at a time (16 MiB)
 SCORES_BUDGET = 1 << 22
 # Decode steps reading at most this many cached keys and values run on one thread
@@ -136,9 +140,14 @@ class CpuAttentionBackend(AttentionBackend):
                 out[tokens[0]:tokens[0] + r] = attn
             else:
                 out[torch.tensor(tokens, device=q.device)] = attn.to(q.dtype)
+        fused = (sinks is None and self.logit_softcap is None and self.sliding_window is None
+                 and q.dtype in SDPA_DTYPES)
         for i in range(meta.num_reqs):
             if starts[i + 1] - starts[i] > 1:
-                self._prefill(q, kv_cache, meta, i, out, scales, sinks)
+                if fused:
+                    self._prefill_sdpa(q, kv_cache, meta, i, out, scales)
+                else:
+                    self._prefill(q, kv_cache, meta, i, out, scales, sinks)
         return out
 
     def _native_rows(self, q: torch.Tensor, kv_cache: torch.Tensor) -> Any:
@@ -260,6 +269,28 @@ class CpuAttentionBackend(AttentionBackend):
             return torch.baddbmm(bias[0], query, keys_t, beta=bias[1], alpha=self.scale)
         scores = torch.bmm(query, keys_t).mul_(self.scale / cap).tanh_().mul_(cap)
         return scores.add_(bias[0]) if bias[1] else scores
+
+    def _prefill_sdpa(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+                      i: int, out: torch.Tensor, scales: tuple[float, float]) -> None:
+        """``_prefill``'s attention through PyTorch's fused CPU attention (flash attention
+        in tiles, its softmax in float32, on q's dtype): one call per request in place of a
+        score matrix and its masking, softmax and product, for layers without a window,
+        soft-cap or sinks."""
+        q_start, q_end = meta.query_start_loc_cpu[i], meta.query_start_loc_cpu[i + 1]
+        seq_len = meta.seq_lens_cpu[i]
+        context = seq_len - (q_end - q_start)  # tokens cached before this step
+        pages = _pages(kv_cache, meta.block_tables[i:i + 1, :-(-seq_len // meta.block_size)],
+                       seq_len, q.dtype, scales)  # [2, 1, kv_heads, seq_len, dim]
+        keys, values = _dense(pages, q.dtype)
+        query = q[q_start:q_end].transpose(0, 1).unsqueeze(0)  # [1, heads, n, dim]
+        mask = None
+        if context:  # query j (at position context + j) sees keys 0 .. context + j
+            positions = torch.arange(context, seq_len, device=q.device)
+            mask = torch.arange(seq_len, device=q.device) <= positions[:, None]
+        attn = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask,
+                                              is_causal=not context, scale=self.scale,
+                                              enable_gqa=self.group > 1)
+        out[q_start:q_end].copy_(attn[0].transpose(0, 1))
 
     def _prefill(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
                  i: int, out: torch.Tensor, scales: tuple[float, float],

@@ -99,6 +99,102 @@ static inline float round_to(float x, int dtype) {
  * q.k, capped to softcap * tanh(s / softcap) when softcap > 0; sinks (one logit per query
  * head, or NULL) join each softmax's denominator. The output row of token q_tokens[r]
  * goes to out (same layout as q, out_dtype). */
+/* Keys and values read ahead of the one in hand (software prefetch) */
+#define AHEAD 8
+
+/* One (query row, kv head) item of decode_attention: its group of query heads over the
+ * item's n keys and values. Always inlined, so that a call with a constant head_dim (the
+ * common 64 and 128) is compiled with fixed-length inner loops that stay in registers. */
+static inline __attribute__((always_inline)) void attend_item(
+    const int64_t group, const int64_t dim, const char *qbase, int64_t q_head_stride,
+    int q_dtype, const void *k_cache, const void *v_cache, int kv_dtype, int64_t block_stride,
+    int64_t token_stride, int64_t head_stride, int64_t block_size, const int32_t *table,
+    int64_t h, int64_t start, int64_t len, float scale, float softcap, const float *sinks,
+    char *obase, int64_t out_head_stride, int out_dtype, float *restrict scores,
+    float *restrict qf, float *restrict acc, float *restrict row) {
+    const size_t kv_elt = elt_size(kv_dtype), q_elt = elt_size(q_dtype),
+                 out_elt = elt_size(out_dtype);
+    const int64_t n = len - start;
+    for (int64_t g = 0; g < group; g++) {
+        load_row(qbase + (size_t)((h * group + g) * q_head_stride) * q_elt, q_dtype,
+                 qf + g * dim, dim);
+        for (int64_t d = 0; d < dim; d++) qf[g * dim + d] *= scale;
+    }
+    for (int64_t t = start; t < len; t++) {
+        const int64_t at = (int64_t)table[t / block_size] * block_stride +
+                           (t % block_size) * token_stride + h * head_stride;
+        if (t + AHEAD < len) { /* the row AHEAD keys on, on its way from memory */
+            const int64_t u = t + AHEAD;
+            const char *next = (const char *)k_cache +
+                (size_t)((int64_t)table[u / block_size] * block_stride +
+                         (u % block_size) * token_stride + h * head_stride) * kv_elt;
+            for (int64_t b = 0; b < (int64_t)(dim * kv_elt); b += 64)
+                __builtin_prefetch(next + b, 0, 3);
+        }
+        load_row((const char *)k_cache + (size_t)at * kv_elt, kv_dtype, row, dim);
+        for (int64_t g = 0; g < group; g++) {
+            const float *qg = qf + g * dim;
+            float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+            for (int64_t d = 0; d < dim; d++) dot += qg[d] * row[d];
+            scores[g * n + (t - start)] = dot;
+        }
+    }
+    for (int64_t g = 0; g < group; g++) {
+        float *sg = scores + g * n;
+        if (softcap > 0.f)
+            for (int64_t i = 0; i < n; i++) sg[i] = softcap * tanhf(sg[i] / softcap);
+        float top = -INFINITY;
+#pragma omp simd reduction(max : top)
+        for (int64_t i = 0; i < n; i++) top = sg[i] > top ? sg[i] : top;
+        const float sink = sinks ? sinks[h * group + g] : -INFINITY;
+        if (sink > top) top = sink;
+        float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t i = 0; i < n; i++) {
+            sg[i] = exp_f32(sg[i] - top);
+            sum += sg[i];
+        }
+        if (sinks) sum += expf(sink - top);
+        const float inv = sum > 0.f ? 1.f / sum : 0.f;
+#pragma omp simd
+        for (int64_t i = 0; i < n; i++) sg[i] *= inv;
+    }
+    for (int64_t i = 0; i < group * dim; i++) acc[i] = 0.f;
+    for (int64_t t = start; t < len; t++) {
+        const int64_t at = (int64_t)table[t / block_size] * block_stride +
+                           (t % block_size) * token_stride + h * head_stride;
+        if (t + AHEAD < len) { /* the row AHEAD keys on, on its way from memory */
+            const int64_t u = t + AHEAD;
+            const char *next = (const char *)v_cache +
+                (size_t)((int64_t)table[u / block_size] * block_stride +
+                         (u % block_size) * token_stride + h * head_stride) * kv_elt;
+            for (int64_t b = 0; b < (int64_t)(dim * kv_elt); b += 64)
+                __builtin_prefetch(next + b, 0, 3);
+        }
+        load_row((const char *)v_cache + (size_t)at * kv_elt, kv_dtype, row, dim);
+        for (int64_t g = 0; g < group; g++) {
+            const float p = scores[g * n + (t - start)];
+            float *ag = acc + g * dim;
+#pragma omp simd
+            for (int64_t d = 0; d < dim; d++) ag[d] += p * row[d];
+        }
+    }
+    for (int64_t g = 0; g < group; g++)
+        store_row(obase + (size_t)((h * group + g) * out_head_stride) * out_elt, out_dtype,
+                  acc + g * dim, dim);
+}
+
+/* Attention of one-token queries over paged keys and values.
+ *
+ * Row r is the query of token q_tokens[r] (q: [tokens, num_heads, head_dim] with the
+ * given strides), for a request seq_lens[r] long whose blocks are
+ * block_table[table_rows[r] * table_stride ...]. The caches hold [num_blocks, block_size,
+ * num_kv_heads, head_dim] with the given element strides (keys and values alike). A
+ * query sees its request's last `window` keys (window 0: all of them). Scores are scale *
+ * q.k, capped to softcap * tanh(s / softcap) when softcap > 0; sinks (one logit per query
+ * head, or NULL) join each softmax's denominator. The output row of token q_tokens[r]
+ * goes to out (same layout as q, out_dtype). */
 void decode_attention(int64_t num_rows, int64_t num_heads, int64_t num_kv_heads,
                       int64_t head_dim, const void *q, int64_t q_token_stride,
                       int64_t q_head_stride, int q_dtype, const int64_t *q_tokens,
@@ -110,68 +206,40 @@ void decode_attention(int64_t num_rows, int64_t num_heads, int64_t num_kv_heads,
                       int64_t out_token_stride, int64_t out_head_stride, int out_dtype,
                       int num_threads) {
     const int64_t group = num_heads / num_kv_heads, dim = head_dim;
-    const size_t kv_elt = elt_size(kv_dtype), q_elt = elt_size(q_dtype),
-                 out_elt = elt_size(out_dtype);
+    const size_t q_elt = elt_size(q_dtype), out_elt = elt_size(out_dtype);
+    int64_t longest = 1;
+    for (int64_t r = 0; r < num_rows; r++) longest = seq_lens[r] > longest ? seq_lens[r] : longest;
     const int64_t items = num_rows * num_kv_heads;
-#pragma omp parallel for num_threads(num_threads) schedule(dynamic, 1)
-    for (int64_t item = 0; item < items; item++) {
-        const int64_t r = item / num_kv_heads, h = item % num_kv_heads;
-        const int64_t len = seq_lens[r];
-        const int64_t start = (window > 0 && len > window) ? len - window : 0;
-        const int64_t n = len - start;
-        const int32_t *table = block_table + table_rows[r] * table_stride;
-        float *scores = (float *)malloc(sizeof(float) * (size_t)(group * (n > 0 ? n : 1)));
+#pragma omp parallel num_threads(num_threads)
+    {
+        /* each thread's buffers, for the longest row: scores, queries, sums, one row */
+        float *scores = (float *)malloc(sizeof(float) * (size_t)(group * longest));
         float *qf = (float *)malloc(sizeof(float) * (size_t)(group * dim));
-        float *acc = (float *)calloc((size_t)(group * dim), sizeof(float));
+        float *acc = (float *)malloc(sizeof(float) * (size_t)(group * dim));
         float *row = (float *)malloc(sizeof(float) * (size_t)dim);
-        const char *qbase = (const char *)q + (size_t)(q_tokens[r] * q_token_stride) * q_elt;
-        for (int64_t g = 0; g < group; g++)
-            load_row(qbase + (size_t)((h * group + g) * q_head_stride) * q_elt, q_dtype,
-                     qf + g * dim, dim);
-        for (int64_t t = start; t < len; t++) {
-            const int64_t at = (int64_t)table[t / block_size] * block_stride +
-                               (t % block_size) * token_stride + h * head_stride;
-            load_row((const char *)k_cache + (size_t)at * kv_elt, kv_dtype, row, dim);
-            for (int64_t g = 0; g < group; g++) {
-                const float *qg = qf + g * dim;
-                float dot = 0.f;
-#pragma omp simd reduction(+ : dot)
-                for (int64_t d = 0; d < dim; d++) dot += qg[d] * row[d];
-                float s = dot * scale;
-                if (softcap > 0.f) s = softcap * tanhf(s / softcap);
-                scores[g * n + (t - start)] = s;
-            }
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t item = 0; item < items; item++) {
+            const int64_t r = item / num_kv_heads, h = item % num_kv_heads;
+            const int64_t len = seq_lens[r];
+            const int64_t start = (window > 0 && len > window) ? len - window : 0;
+            const int32_t *table = block_table + table_rows[r] * table_stride;
+            const char *qbase = (const char *)q + (size_t)(q_tokens[r] * q_token_stride) * q_elt;
+            char *obase = (char *)out + (size_t)(q_tokens[r] * out_token_stride) * out_elt;
+#define ATTEND(G, D)                                                                        \
+    attend_item(G, D, qbase, q_head_stride, q_dtype, k_cache, v_cache, kv_dtype,            \
+                block_stride, token_stride, head_stride, block_size, table, h, start, len,  \
+                scale, softcap, sinks, obase, out_head_stride, out_dtype, scores, qf, acc, row)
+            if (dim == 64 && group == 1) ATTEND(1, 64);
+            else if (dim == 64 && group == 3) ATTEND(3, 64);
+            else if (dim == 64 && group == 4) ATTEND(4, 64);
+            else if (dim == 64) ATTEND(group, 64);
+            else if (dim == 128 && group == 1) ATTEND(1, 128);
+            else if (dim == 128 && group == 4) ATTEND(4, 128);
+            else if (dim == 128 && group == 8) ATTEND(8, 128);
+            else if (dim == 128) ATTEND(group, 128);
+            else ATTEND(group, dim);
+#undef ATTEND
         }
-        for (int64_t g = 0; g < group; g++) {
-            float *sg = scores + g * n;
-            float top = -INFINITY;
-            for (int64_t i = 0; i < n; i++) top = sg[i] > top ? sg[i] : top;
-            const float sink = sinks ? sinks[h * group + g] : -INFINITY;
-            if (sink > top) top = sink;
-            float sum = 0.f;
-            for (int64_t i = 0; i < n; i++) {
-                sg[i] = expf(sg[i] - top);
-                sum += sg[i];
-            }
-            if (sinks) sum += expf(sink - top);
-            const float inv = sum > 0.f ? 1.f / sum : 0.f;
-            for (int64_t i = 0; i < n; i++) sg[i] *= inv;
-        }
-        for (int64_t t = start; t < len; t++) {
-            const int64_t at = (int64_t)table[t / block_size] * block_stride +
-                               (t % block_size) * token_stride + h * head_stride;
-            load_row((const char *)v_cache + (size_t)at * kv_elt, kv_dtype, row, dim);
-            for (int64_t g = 0; g < group; g++) {
-                const float p = scores[g * n + (t - start)];
-                float *ag = acc + g * dim;
-#pragma omp simd
-                for (int64_t d = 0; d < dim; d++) ag[d] += p * row[d];
-            }
-        }
-        char *obase = (char *)out + (size_t)(q_tokens[r] * out_token_stride) * out_elt;
-        for (int64_t g = 0; g < group; g++)
-            store_row(obase + (size_t)((h * group + g) * out_head_stride) * out_elt, out_dtype,
-                      acc + g * dim, dim);
         free(scores);
         free(qf);
         free(acc);
