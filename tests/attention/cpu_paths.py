@@ -11,6 +11,7 @@ def use_torch_ops(monkeypatch: pytest.MonkeyPatch) -> None:
     """Backends made from here on run their decodes through PyTorch's ops (as without a C
     compiler), not the C kernels."""
     monkeypatch.setattr(cpu_kernels, "kernels", lambda: None)
+    monkeypatch.setattr(cpu_kernels, "status", lambda: "off for this test: PyTorch ops")
 
 
 def require_kernels() -> None:

@@ -9,6 +9,8 @@ import json
 import pytest
 import torch
 
+from attention.cpu_paths import use_torch_ops
+
 from vllmpy import LLM, SamplingParams
 from vllmpy.attention import cpu_backend
 from vllmpy.attention.cpu_backend import _DecodePlan
@@ -21,10 +23,14 @@ CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_
 
 @pytest.fixture(scope="module")
 def llm(tmp_path_factory):
+    """An engine whose decodes run through PyTorch's ops (the path that keeps the copies),
+    not the C kernel."""
     path = tmp_path_factory.mktemp("tiny")
     (path / "config.json").write_text(json.dumps(CONFIG))
-    return LLM(model=str(path), load_format="dummy", device="cpu", num_blocks=160,
-               block_size=8, max_model_len=512, max_num_seqs=8)
+    with pytest.MonkeyPatch.context() as mp:
+        use_torch_ops(mp)
+        yield LLM(model=str(path), load_format="dummy", device="cpu", num_blocks=160,
+                  block_size=8, max_model_len=512, max_num_seqs=8)
 
 
 def run(llm: LLM) -> list[list[int]]:
