@@ -142,6 +142,28 @@ def test_a_decode_sees_exactly_its_own_tokens(cpu_path):
     torch.testing.assert_close(first, second, atol=0, rtol=0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_verify_step_gives_each_row_what_its_own_decode_gives(dtype):
+    """Speculative decoding's losslessness on the CPU: each query row of a short request
+    (a verified draft) comes out bit for bit as the one-token decode at its position
+    would, next to a decode and a long prefill in the same step."""
+    from attention.cpu_paths import require_kernels
+    require_kernels()
+    requests = [(20, 5), (9, 1), (40, 24)]
+    q, k, v, cache, meta = make_step(requests, 8, 2, 64, dtype, dtype)
+    backend = CpuAttentionBackend(8, 2, 64, 0.125)
+    verify = backend.forward(q, k, v, cache.clone(), meta)
+    for j in range(5):  # row j of the verify: a decode of length 16 + j
+        _, _, _, _, one = make_step([(16 + j, 1)], 8, 2, 64, dtype, dtype)
+        one.block_tables, one.slot_mapping = meta.block_tables[:1], meta.slot_mapping[j:j + 1]
+        # the cache as it is after the verify step wrote its five rows
+        after = cache.clone()
+        backend.forward(q, k, v, after, meta)
+        decode = backend.forward(q[j:j + 1], k[j:j + 1], v[j:j + 1], after, one,
+                                 kv_stored=True)
+        assert torch.equal(decode[0], verify[j])
+
+
 def test_bad_head_counts_are_refused_by_name():
     with pytest.raises(ValueError, match="num_heads \\(6\\).*num_kv_heads \\(4\\)"):
         CpuAttentionBackend(6, 4, 16, 0.25)

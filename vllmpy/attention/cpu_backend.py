@@ -10,6 +10,9 @@ to rounding) and spends fewer, cheaper ops on each step:
 - scores, softmax and the weighted sum run in float32 through ``baddbmm``/``bmm``, with the
   scale and the mask folded into the ``baddbmm`` (small float32 matrix products are several
   times faster than bfloat16 ones on the CPU, and round less);
+- with the C kernels (``ops/cpu_kernels``), every request of at most ``NATIVE_QUERY_ROWS``
+  new tokens (decodes, speculative verifies) runs through them one query row at a time,
+  so a verified draft gets the bits its own decode step would; without them,
 - every one-token query of the step (the decodes) runs in one batched call, padded to the
   longest of them; a request with longer queries (a prefill or a chunk) runs on its own,
   its queries split into pieces whose scores stay under ``SCORES_BUDGET`` elements;
@@ -59,6 +62,10 @@ from vllmpy.ops import cpu_kernels
 SDPA_DTYPES = (torch.float32, torch.bfloat16)
 # The most float32 scores one prefill piece holds at a time (16 MiB)
 SCORES_BUDGET = 1 << 22
+# Requests with at most this many new tokens (a decode, a speculative verify) run through
+# the C kernel one query row at a time, so a verified draft token sees the arithmetic its
+# one-token decode would have
+NATIVE_QUERY_ROWS = 16
 # Decode steps reading at most this many cached keys and values run on one thread
 SERIAL_KV_ELEMENTS = 1 << 18
 # Decode steps reading more cached keys and values than this keep copies of them
@@ -97,14 +104,17 @@ class CpuAttentionBackend(AttentionBackend):
         if num_tokens < k.shape[0] or num_tokens < slots.shape[0]:  # padding writes nothing
             k, v, slots = k[:num_tokens], v[:num_tokens], slots[:num_tokens]
         starts = meta.query_start_loc_cpu
-        decodes = [i for i in range(meta.num_reqs) if starts[i + 1] - starts[i] == 1]
         native = self._native_rows(q, kv_cache)
-        if native is not None and len(decodes) == meta.num_reqs == q.shape[0]:
-            if not kv_stored:
-                write_kv_cache(k, v, kv_cache, slots, *scales)
-            out = torch.empty_like(q)
-            self._native_decode(native, q, kv_cache, meta, decodes, sinks, out)
-            return out
+        if native is not None:
+            short = [i for i in range(meta.num_reqs)
+                     if 0 < starts[i + 1] - starts[i] <= NATIVE_QUERY_ROWS]
+            if len(short) == meta.num_reqs:
+                if not kv_stored:
+                    write_kv_cache(k, v, kv_cache, slots, *scales)
+                out = torch.empty_like(q)
+                self._native_decode(native, q, kv_cache, meta, short, sinks, out)
+                return out
+        decodes = [i for i in range(meta.num_reqs) if starts[i + 1] - starts[i] == 1]
         if len(decodes) == meta.num_reqs == q.shape[0]:  # a pure decode step, no padding
             threads = torch.get_num_threads()
             longest = max(meta.seq_lens_cpu)
@@ -130,8 +140,10 @@ class CpuAttentionBackend(AttentionBackend):
         if not kv_stored:
             write_kv_cache(k, v, kv_cache, slots, *scales)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        if decodes and native is not None:
-            self._native_decode(native, q, kv_cache, meta, decodes, sinks, out)
+        if native is not None:
+            if short:
+                self._native_decode(native, q, kv_cache, meta, short, sinks, out)
+            decodes = short
         elif decodes:
             tokens = [starts[i] for i in decodes]
             attn = self._decode(q, kv_cache, meta, decodes, scales, sinks)  # [R, heads, dim]
@@ -142,8 +154,9 @@ class CpuAttentionBackend(AttentionBackend):
                 out[torch.tensor(tokens, device=q.device)] = attn.to(q.dtype)
         fused = (sinks is None and self.logit_softcap is None and self.sliding_window is None
                  and q.dtype in SDPA_DTYPES)
+        done = set(decodes)
         for i in range(meta.num_reqs):
-            if starts[i + 1] - starts[i] > 1:
+            if starts[i + 1] - starts[i] > 1 and i not in done:
                 if fused:
                     self._prefill_sdpa(q, kv_cache, meta, i, out, scales)
                 else:
@@ -163,8 +176,9 @@ class CpuAttentionBackend(AttentionBackend):
     def _native_decode(self, lib: Any, q: torch.Tensor, kv_cache: torch.Tensor,
                        meta: AttentionMetadata, rows: list[int],
                        sinks: torch.Tensor | None, out: torch.Tensor) -> None:
-        """The one-token queries of requests ``rows`` through the C kernel, which reads
-        the cache blocks in place: written into their rows of ``out``."""
+        """The queries of requests ``rows`` through the C kernel, which reads the cache
+        blocks in place, one query row at a time (each over the keys up to its own
+        position): written into their rows of ``out``."""
         index = _DecodeIndex.for_step(meta, rows)
         work = 2 * sum(index.lens) * self.num_kv_heads * self.head_dim
         threads = 1 if work <= SERIAL_KV_ELEMENTS else torch.get_num_threads()
@@ -342,17 +356,23 @@ class CpuAttentionBackend(AttentionBackend):
 
 
 class _DecodeIndex:
-    """The C decode kernel's int64 arguments for one step's decode rows (request, query
-    token, length), made once per step: every layer sees the same metadata."""
+    """The C decode kernel's int64 arguments for one step's query rows of requests
+    ``rows`` (request, query token, keys it sees: its position + 1), made once per step:
+    every layer sees the same metadata."""
 
     _last: _DecodeIndex | None = None
 
     def __init__(self, meta: AttentionMetadata, rows: list[int]) -> None:
         self.meta, self.key = weakref.ref(meta), rows
-        starts = meta.query_start_loc_cpu
-        self.lens = [meta.seq_lens_cpu[i] for i in rows]
-        self.rows = torch.tensor(rows, dtype=torch.int64)
-        self.tokens = torch.tensor([starts[i] for i in rows], dtype=torch.int64)
+        starts, lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
+        requests, tokens, self.lens = [], [], []
+        for i in rows:
+            first, n = starts[i], starts[i + 1] - starts[i]
+            requests += [i] * n
+            tokens += range(first, first + n)
+            self.lens += range(lens[i] - n + 1, lens[i] + 1)
+        self.rows = torch.tensor(requests, dtype=torch.int64)
+        self.tokens = torch.tensor(tokens, dtype=torch.int64)
         self.seq_lens = torch.tensor(self.lens, dtype=torch.int64)
 
     @classmethod
