@@ -115,6 +115,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=None, help="write the result as JSON here")
     ap.add_argument("--profile", default=None,
                     help="write a torch.profiler table of vllmpy's timed run here")
+    ap.add_argument("--cprofile", default=None,
+                    help="write a cProfile table (cumulative time) of vllmpy's timed run here")
     ap.add_argument("--tokenizer-dir", default=None,
                     help="bert-base: a folder with MiniLM's tokenizer and module files "
                          "(instead of the weights script's copy)")
@@ -166,9 +168,21 @@ def main(argv: list[str] | None = None) -> int:
             activities.append(torch.profiler.ProfilerActivity.CUDA)
         profiler = torch.profiler.profile(activities=activities)
         profiler.start()
+    host_profiler = None
+    if args.cprofile:
+        import cProfile
+
+        host_profiler = cProfile.Profile()
+        host_profiler.enable()
     start = time.perf_counter()
     outs = llm.embed(texts, use_tqdm=False)
     ours_s = time.perf_counter() - start
+    if host_profiler is not None:
+        import pstats
+
+        host_profiler.disable()
+        with open(args.cprofile, "w") as f:
+            pstats.Stats(host_profiler, stream=f).sort_stats("cumulative").print_stats(60)
     if profiler is not None:
         profiler.stop()
         sort = "cuda_time_total" if args.device.startswith("cuda") else "cpu_time_total"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -222,10 +223,25 @@ class InputProcessor:
             raise ValueError(f"the model {name!r} ({arch}) does not serve the {task} task; "
                              f"it serves: {', '.join(tasks)}{how}")
 
+    def _pooling_text(self, prompt: PromptType, params: PoolingParams) -> str | None:
+        """The text a plain pooling prompt (no pair, no truncation) is tokenized from, its
+        checkpoint prompt prepended for ``embed``; None for any other prompt."""
+        text = prompt.get("prompt") if isinstance(prompt, dict) else prompt
+        if (not isinstance(text, str) or self.tokenizer is None
+                or params.truncate_prompt_tokens is not None):
+            return None
+        check_unicode(text, "the input")
+        spec = self.model_config.pooling
+        if params.task == "embed" and spec is not None and spec.default_prompt:
+            text = spec.default_prompt + text
+        return text
+
     def _pooling_ids(self, prompt: PromptType, params: PoolingParams,
-                     pair: str | None) -> tuple[str | None, list[int]]:
+                     pair: str | None, ids: list[int] | None = None
+                     ) -> tuple[str | None, list[int]]:
         """Token ids of a pooling prompt (a text pair for a cross-encoder), truncated when
-        ``truncate_prompt_tokens`` asks, else checked against max_model_len."""
+        ``truncate_prompt_tokens`` asks, else checked against max_model_len; ``ids``: the
+        prompt's ids when the caller tokenized its text already."""
         spec = self.model_config.pooling
         limit = self.model_config.max_model_len
         keep = params.truncate_prompt_tokens
@@ -234,7 +250,9 @@ class InputProcessor:
             raise ValueError(f"truncate_prompt_tokens {keep} exceeds this model's maximum "
                              f"input length of {limit} tokens")
         text = prompt.get("prompt") if isinstance(prompt, dict) else prompt
-        if isinstance(text, str) or pair is not None:
+        if ids is not None:
+            text = self._pooling_text(prompt, params)
+        elif isinstance(text, str) or pair is not None:
             if self.tokenizer is None:
                 raise ValueError("no tokenizer is loaded; pass prompt token ids instead of "
                                  "text")
@@ -284,15 +302,34 @@ class InputProcessor:
                              f"{sorted(allowed)} matryoshka dimensions, got "
                              f"{params.dimensions}")
 
+    def process_pooling_batch(self, items: Sequence[tuple[str, PromptType, PoolingParams,
+                                                           str | None]]
+                              ) -> list[ProcessedPrompt]:
+        """``process_pooling`` of each (request id, prompt, params, pair), the plain texts
+        among them tokenized in one batch (the tokenizer spreads a batch over the cores)."""
+        texts = {j: self._pooling_text(prompt, params) if pair is None else None
+                 for j, (_, prompt, params, pair) in enumerate(items)}
+        batch = [j for j, text in texts.items() if text is not None]
+        encoded: dict[int, list[int]] = {}
+        if batch:
+            assert self.tokenizer is not None
+            for j, enc in zip(batch, self.tokenizer.backend.encode_batch(
+                    [texts[j] for j in batch], add_special_tokens=True)):
+                encoded[j] = enc.ids
+        return [self.process_pooling(request_id, prompt, params, pair, ids=encoded.get(j))
+                for j, (request_id, prompt, params, pair) in enumerate(items)]
+
     def process_pooling(self, request_id: str, prompt: PromptType, params: PoolingParams,
-                        pair: str | None = None, priority: int = 0) -> ProcessedPrompt:
+                        pair: str | None = None, priority: int = 0,
+                        ids: list[int] | None = None) -> ProcessedPrompt:
         """Validate and tokenize one pooling prompt (with ``pair``: a cross-encoder's text
-        pair) into its one core request."""
+        pair) into its one core request; ``ids``: its text's ids, when tokenized already
+        (``process_pooling_batch``)."""
         self.check_task(params.task)
         self.check_priority(priority)
         self._check_dimensions(params)
         salt = check_cache_salt(prompt.get("cache_salt")) if isinstance(prompt, dict) else None
-        text, ids = self._pooling_ids(prompt, params, pair)
+        text, ids = self._pooling_ids(prompt, params, pair, ids)
         sampling = SamplingParams(max_tokens=1, detokenize=False)
         sampling.output_kind = RequestOutputKind.FINAL_ONLY
         request = EngineCoreRequest(request_id=request_id, prompt_token_ids=list(ids),

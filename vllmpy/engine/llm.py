@@ -240,9 +240,8 @@ class LLM:
         input is checked before any is queued, and they are queued shortest first, as
         sentence-transformers batches them: a step then holds prompts of similar length
         (one attention group, little padding)."""
-        processed = [self.input_processor.process_pooling(str(next(self._counter)), prompt,
-                                                          params, pair)
-                     for prompt, params, pair in items]
+        processed = self.input_processor.process_pooling_batch(
+            [(str(next(self._counter)), prompt, params, pair) for prompt, params, pair in items])
         order: dict[str, int] = {}
         try:
             for i in sorted(range(len(items)),
