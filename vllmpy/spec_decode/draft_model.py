@@ -8,7 +8,8 @@ each step hold the KV of the draft's own drafts. Per request the proposer rememb
 many tokens its KV holds; after a step it first computes the tokens it has not seen (the
 whole prompt the first time, then the tokens the step emitted), chunked to the step's
 token budget, then runs k - 1 one-token steps for the rest of the drafts (on CUDA through
-decode graphs of the draft, one per batch size the target captures). A request it
+decode graphs of the draft, one per batch size the target captures, and a catch-up of few
+tokens through the draft's mixed graphs). A request it
 meets again after a preemption, or one served from the target's prefix cache, starts from
 its first token: the draft's KV of shared blocks is rewritten with the same values.
 """
@@ -134,10 +135,13 @@ class DraftModelProposer(ModelProposer):
     def capture_graphs(self) -> str:
         runner = self.runner
         self.graphs = StepGraphs(self.model, self.buffers, runner.config.scheduler.max_num_seqs,
-                                 runner.config.model.max_model_len)
+                                 runner.config.model.max_model_len, self.budget)
         self.graphs.capture()
-        sizes = self.graphs.sizes
-        return f"the draft's one-token steps ({len(sizes)} batch sizes, {sizes[0]}..{sizes[-1]})"
+        sizes, mixed = self.graphs.sizes, self.graphs.mixed_sizes
+        return (f"the draft's one-token steps ({len(sizes)} batch sizes, {sizes[0]}..{sizes[-1]})"
+                f" and catch-up steps ({len(mixed)} token counts, up to {mixed[-1]})"
+                if mixed else
+                f"the draft's one-token steps ({len(sizes)} batch sizes, {sizes[0]}..{sizes[-1]})")
 
     def forget(self, req_id: str) -> None:
         self.computed.pop(req_id, None)
@@ -182,7 +186,8 @@ class DraftModelProposer(ModelProposer):
 
     def _forward(self, step: StepInputs) -> list[int]:
         """One forward of the draft; the argmax at each sampling request's last token. A
-        one-token step replays the decode graph of its size, others run eagerly."""
+        one-token step replays the decode graph of its size, a small catch-up (the tokens
+        a verify emitted) the mixed graph of its token count; larger ones run eagerly."""
         graphs, n = self.graphs, len(step.seq_lens)
         if (graphs is not None and step.max_query_len == 1 and len(step.sample_rows) == n
                 and n <= graphs.max_size):
@@ -190,7 +195,12 @@ class DraftModelProposer(ModelProposer):
             self.buffers.stage(step, size, size, decode=True)
             graphs.run(n)
             return graphs.sampled[:n].tolist()
-        hidden = self.model(*self._inputs(step))
+        if graphs is not None and step.num_tokens <= graphs.max_mixed_tokens:
+            tokens = graphs.mixed_size(step.num_tokens)
+            self.buffers.stage(step, tokens, graphs.mixed_seqs(tokens))
+            hidden = graphs.run_mixed(step.num_tokens)
+        else:
+            hidden = self.model(*self._inputs(step))
         if not step.sample_rows:
             return []
         index = torch.as_tensor(step.logits_indices, device=hidden.device)
