@@ -6,12 +6,13 @@ target's block table: token ``i`` of a request lives in the same block and slot 
 pools, so the scheduler's allocation serves both, and ``num_lookahead_tokens`` slots past
 each step hold the KV of the draft's own drafts. Per request the proposer remembers how
 many tokens its KV holds; after a step it first computes the tokens it has not seen (the
-whole prompt the first time, then the tokens the step emitted), chunked to the step's
-token budget, then runs k - 1 one-token steps for the rest of the drafts (on CUDA through
-decode graphs of the draft, one per batch size the target captures, and a catch-up of few
-tokens through the draft's mixed graphs). A request it
-meets again after a preemption, or one served from the target's prefix cache, starts from
-its first token: the draft's KV of shared blocks is rewritten with the same values.
+whole prompt the first time, then the tokens the step emitted, less the drafts it fed
+itself that the target accepted), chunked to the step's token budget, then runs k - 1
+one-token steps for the rest of the drafts (on CUDA through decode graphs of the draft,
+one per batch size the target captures, and a catch-up of few tokens through the draft's
+mixed graphs). A request it meets again after a preemption, or one served from the
+target's prefix cache, starts from its first token: the draft's KV of shared blocks is
+rewritten with the same values.
 """
 
 from __future__ import annotations
@@ -130,6 +131,9 @@ class DraftModelProposer(ModelProposer):
             f"{seconds:.2f} s")
         # req_id -> how many of its first tokens the draft's KV holds
         self.computed: dict[str, int] = {}
+        # req_id -> the drafts its last proposal fed the draft after those tokens (their KV
+        # stands wherever the target went on to accept them)
+        self.fed: dict[str, list[int]] = {}
         self.graphs: StepGraphs | None = None  # the draft's decode graphs (CUDA)
 
     def capture_graphs(self) -> str:
@@ -145,6 +149,7 @@ class DraftModelProposer(ModelProposer):
 
     def forget(self, req_id: str) -> None:
         self.computed.pop(req_id, None)
+        self.fed.pop(req_id, None)
 
     @torch.inference_mode()
     def propose(self, token_ids: np.ndarray, num_tokens: np.ndarray, rows: Sequence[int],
@@ -153,6 +158,7 @@ class DraftModelProposer(ModelProposer):
         req_ids = [batch.req_ids[r] for r in rows]
         ends = num_tokens[list(rows)].astype(np.int64)
         drafts: list[list[int]] = [[] for _ in rows]
+        self._keep_accepted(req_ids, token_ids, rows, ends)
         self._catch_up(req_ids, ends, drafts)
         for j in range(1, max(max_drafts, default=0)):
             active = [i for i, m in enumerate(max_drafts) if m > j]
@@ -162,7 +168,25 @@ class DraftModelProposer(ModelProposer):
                                  [j] * len(active), ends[active] + j - 1)
             for i, tok in zip(active, self._forward(step)):
                 drafts[i].append(tok)
+        for r, d, m in zip(req_ids, drafts, max_drafts):
+            self.fed[r] = d[:max(m - 1, 0)]  # d[j - 1] went in at step j above
         return [d[:m] for d, m in zip(drafts, max_drafts)]
+
+    def _keep_accepted(self, req_ids: list[str], token_ids: np.ndarray, rows: Sequence[int],
+                       ends: np.ndarray) -> None:
+        """Count as computed the fed drafts the target accepted: the draft's KV at a
+        position stands when the tokens up to it are the ones it was computed from. The
+        last token is always left to compute (its logits give the first draft)."""
+        for r, row, end in zip(req_ids, rows, ends):
+            fed, start = self.fed.pop(r, None), self.computed.get(r)
+            if not fed or start is None:
+                continue
+            kept = 0
+            for tok in fed:
+                if start + kept >= end - 1 or int(token_ids[row, start + kept]) != tok:
+                    break
+                kept += 1
+            self.computed[r] = start + kept
 
     def _catch_up(self, req_ids: list[str], ends: np.ndarray,
                   drafts: list[list[int]]) -> None:
