@@ -28,6 +28,10 @@ DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 # On CUDA, vLLM's serving default: prefill chunks large enough to keep a GPU busy.
 DEFAULT_MAX_NUM_BATCHED_TOKENS_CUDA = 8192
 
+# Whether models with recurrent layers capture CUDA graphs; off until their kernels are
+# checked under capture on a device (docs/perf-log/hybrid.md)
+HYBRID_CUDA_GRAPHS = False
+
 
 def resolve_device(device: str) -> str:
     if device == "auto":
@@ -377,7 +381,7 @@ def build_engine_config(args: EngineArgs, source: ModelSource | None = None) -> 
             layout=layout,
         )
     enforce_eager = args.enforce_eager
-    if layout.is_hybrid and device == "cuda" and not enforce_eager:
+    if layout.is_hybrid and device == "cuda" and not enforce_eager and not HYBRID_CUDA_GRAPHS:
         log(f"CUDA graphs: off for {text.architectures[0]}: its recurrent layers "
             f"({layout.describe()}) run eagerly (as --enforce-eager)")
         enforce_eager = True
