@@ -38,7 +38,8 @@ def run(path: str, prompts: list[list[int]], graphs: bool) -> tuple[list[list[in
     from vllmpy.engine import configure
 
     configure.HYBRID_CUDA_GRAPHS = graphs
-    llm = LLM(path, device="cuda", dtype="float32", max_model_len=256, max_num_seqs=16,
+    llm = LLM(path, skip_tokenizer_init=True, device="cuda", dtype="float32",
+              max_model_len=256, max_num_seqs=16,
               enforce_eager=not graphs)
     greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     outs = [o.outputs[0].token_ids
