@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import gc
 import sys
 import time
@@ -92,6 +93,10 @@ class EngineCore:
         # collector's generations so a collection never walks it mid-step.
         gc.collect()
         gc.freeze()
+        # Frozen objects outlive the interpreter's last collection: handed back at exit,
+        # the extension objects they hold (Triton's) are freed rather than reported leaked.
+        atexit.unregister(gc.unfreeze)
+        atexit.register(gc.unfreeze)
 
     def add_request(self, req: EngineCoreRequest) -> None:
         request = Request(
