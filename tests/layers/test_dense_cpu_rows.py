@@ -61,7 +61,7 @@ def test_float32_weight_stays_dense():
 
 @pytest.mark.parametrize("rows", [1, 3, CPU_BF16_ROW_BUCKET + 5])
 def test_tied_bfloat16_head_keeps_the_embedding_and_equals_f_linear(rows):
-    embed = torch.nn.Embedding(300, 40).to(torch.bfloat16)
+    embed = torch.nn.Embedding(300, 40).to(torch.bfloat16).requires_grad_(False)  # as loaded
     table = embed.weight.detach().clone()
     hidden = torch.randn(rows, 40).to(torch.bfloat16)
     out = torch.empty(rows, 300, dtype=torch.bfloat16)
