@@ -35,9 +35,7 @@ def build(variant: str, path: str) -> int:
 def run(path: str, prompts: list[list[int]], graphs: bool) -> tuple[list[list[int]], float]:
     """(greedy continuations, one request's decode tok/s)."""
     from vllmpy import LLM, SamplingParams
-    from vllmpy.engine import configure
 
-    configure.HYBRID_CUDA_GRAPHS = graphs
     llm = LLM(path, skip_tokenizer_init=True, device="cuda", dtype="float32",
               max_model_len=256, max_num_seqs=16,
               enforce_eager=not graphs)

@@ -1,5 +1,5 @@
-"""The hybrid and latent-attention families in bf16 on a CUDA device (eagerly: CUDA graphs
-are off for recurrent layers), against transformers in bf16 on the same device and the
+"""The hybrid and latent-attention families in bf16 on a CUDA device (through the CUDA
+graphs, recurrent layers included), against transformers in bf16 on the same device and the
 same tiny random weights (the tiny models their CPU test files build). The agreement rule
 is test_families_gpu's: identical continuations, or a first difference at a near-tie of
 transformers' own logits. Where fewer than 90% agree (a tiny random model can be chaotic

@@ -28,10 +28,6 @@ DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 # On CUDA, vLLM's serving default: prefill chunks large enough to keep a GPU busy.
 DEFAULT_MAX_NUM_BATCHED_TOKENS_CUDA = 8192
 
-# Whether models with recurrent layers capture CUDA graphs; off until their kernels are
-# checked under capture on a device (docs/perf-log/hybrid.md)
-HYBRID_CUDA_GRAPHS = False
-
 
 def resolve_device(device: str) -> str:
     if device == "auto":
@@ -381,10 +377,6 @@ def build_engine_config(args: EngineArgs, source: ModelSource | None = None) -> 
             layout=layout,
         )
     enforce_eager = args.enforce_eager
-    if layout.is_hybrid and device == "cuda" and not enforce_eager and not HYBRID_CUDA_GRAPHS:
-        log(f"CUDA graphs: off for {text.architectures[0]}: its recurrent layers "
-            f"({layout.describe()}) run eagerly (as --enforce-eager)")
-        enforce_eager = True
     if cache.num_blocks == 0:  # sized after the memory profile (finish_profiled_pool)
         max_model_len = args.max_model_len or text.max_position_embeddings
         if max_model_len > text.max_position_embeddings:

@@ -141,6 +141,8 @@ class StartupMixin:
             mixed = mixed_capture_sizes(tokens)
             if mixed:
                 self._profile_forward(self._fresh_seq_lens(mixed[-1]), 1)
+            if self.config.cache.num_seats:  # recurrent layers read the graphs' seats
+                self.buffers.enable_seats(self._scratch_seats(tokens))
             StepGraphs(self.model, self.buffers,  # type: ignore[arg-type]
                        sched.max_num_seqs, self.config.model.max_model_len,
                        sched.max_num_batched_tokens).warm_up()
@@ -155,6 +157,11 @@ class StartupMixin:
             else:
                 module.kv_cache = None
 
+    def _scratch_seats(self, tokens: int) -> int:
+        """The recurrent-state seats of ``_scratch_caches``: one per request a start-up
+        forward has (the scratch seat past them takes padding)."""
+        return max(self.config.scheduler.max_num_seqs, len(self._fresh_seq_lens(tokens)))
+
     def _scratch_caches(self, tokens: int) -> list[torch.Tensor]:
         """Small caches for start-up forwards of up to ``tokens`` tokens (only padding
         slots, so nothing is ever written to them): one per paged layer; on hybrid models
@@ -162,7 +169,7 @@ class StartupMixin:
         cache = self.config.cache
         blocks = -(-tokens // self.block_size) + 1
         modules, specs = self._cache_modules()
-        seats = max(self.config.scheduler.max_num_seqs, len(self._fresh_seq_lens(tokens)))
+        seats = self._scratch_seats(tokens)
         caches = []
         for module, spec in zip(modules, specs):
             if isinstance(spec, RecurrentStateSpec):
