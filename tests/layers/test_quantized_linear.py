@@ -1,5 +1,7 @@
-"""GGUF-quantized weights in the linear layers (the GGUF quantization method): kept 4-bit
-on the CPU in bfloat16, exact dequantization where no CPU kernel takes the type."""
+"""GGUF-quantized weights in the linear layers (the GGUF quantization method) on a CPU
+without the C kernels (no compiler): kept 4-bit in bfloat16, exact dequantization where no
+PyTorch kernel takes the type. With the C kernels every type runs in its blocks:
+tests/ops/test_cpu_gguf.py."""
 
 from __future__ import annotations
 
@@ -14,6 +16,14 @@ from vllmpy.layers.quantization.gguf import GGUFLinearMethod, QuantizedTensor
 from vllmpy.ops.cpu_int4 import BLOCK, int4_linear, pack_int4
 
 TYPES = ("Q4_0", "Q4_1", "Q8_0")
+
+
+@pytest.fixture(autouse=True)
+def _without_c_kernels(monkeypatch):
+    """The paths of a machine without the C kernels (``cpu_gguf`` takes every type)."""
+    from attention.cpu_paths import use_torch_ops
+
+    use_torch_ops(monkeypatch)
 INT4 = ("Q4_0", "Q4_1")
 
 

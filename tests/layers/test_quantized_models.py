@@ -1,5 +1,7 @@
-"""Quantized GGUF checkpoints end to end: which path each dtype takes, what it says at
-start-up, and how closely the 4-bit path follows the dequantized one."""
+"""Quantized GGUF checkpoints end to end: which path each dtype takes (with the CPU's C
+kernels: every type in its blocks; without them: PyTorch's 4-bit matmul in bfloat16,
+dequantized in float32), what it says at start-up, and how closely each follows the
+dequantized float32 model."""
 
 from __future__ import annotations
 
@@ -7,6 +9,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
+from attention.cpu_paths import torch_ops  # noqa: F401 - a fixture
 from gguf import GGMLQuantizationType as QType
 
 import vllmpy.layers.quantization.gguf as gguf_method
@@ -84,7 +87,59 @@ def _prompts(n: int) -> list[list[int]]:
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_with_the_c_kernels_the_blocks_stay_and_it_says_so(tiny_gguf, capfd, dtype):
+    from attention.cpu_paths import require_kernels
+
+    require_kernels()
+    llm = LLM(tiny_gguf, skip_tokenizer_init=True, device="cpu", dtype=dtype, num_blocks=32)
+    layers = _linears(llm)
+    assert len(layers) == 4 * LAYERS + 1
+    assert all([seg.kind for seg in m.method.segments] == ["cpu_blocks"] and
+               not hasattr(m, "weight") for m in layers)
+    assert (f"vllmpy: quantized linear weights: {4 * LAYERS + 1} Q4_1 layer(s) kept in GGUF "
+            f"blocks (CPU C kernel, {dtype})") in capfd.readouterr().err
+
+
+def test_the_blocks_give_the_dequantized_float32_models_tokens(tiny_gguf, monkeypatch):
+    """In float32 the blocks' kernel and the dense weights gguf-py dequantizes differ only
+    in the order of the sums: the same greedy tokens."""
+    from attention.cpu_paths import require_kernels
+
+    require_kernels()
+    prompts = _prompts(4)
+    kw = dict(skip_tokenizer_init=True, device="cpu", dtype="float32", num_blocks=32)
+    blocks = [o.outputs[0].token_ids for o in LLM(tiny_gguf, **kw).generate(prompts, GREEDY)]
+    monkeypatch.setattr(gguf_method, "_segment_kind", lambda *args: "dense")
+    dense = [o.outputs[0].token_ids for o in LLM(tiny_gguf, **kw).generate(prompts, GREEDY)]
+    assert blocks == dense
+
+
+def test_a_tied_q8_0_embedding_is_its_own_head_in_blocks(tied_gguf):
+    from attention.cpu_paths import require_kernels
+
+    from vllmpy.ops import cpu_gguf
+
+    require_kernels()
+    llm = LLM(tied_gguf, skip_tokenizer_init=True, device="cpu", dtype="float32",
+              num_blocks=32)
+    model = _model(llm)
+    head, embedding = model.lm_head, model.model.embed_tokens.weight
+    (segment,) = head.method.segments
+    assert segment.kind == "cpu_blocks" and head.method.dense_beside is embedding
+    for n in (1, cpu_gguf.MAX_KERNEL_ROWS):
+        hidden = torch.randn(n, HIDDEN)
+        exact = hidden.double() @ embedding.double().t()
+        err = (model.compute_logits(hidden).double() - exact).abs().max() / exact.abs().max()
+        assert err < 2e-6, (n, err)
+    hidden = torch.randn(cpu_gguf.MAX_KERNEL_ROWS + 1, HIDDEN)  # the dense table above
+    assert torch.equal(model.compute_logits(hidden),
+                       torch.nn.functional.linear(hidden, embedding))
+
+
+@pytest.mark.usefixtures("torch_ops")
 def test_bfloat16_on_the_cpu_runs_4_bit_and_says_so(tiny_gguf, capfd):
+    """Without the C kernels."""
     llm = LLM(tiny_gguf, skip_tokenizer_init=True, device="cpu", dtype="bfloat16",
               num_blocks=32)
     # qkv, o, gate_up and down of each layer, and the (untied) lm_head
@@ -99,7 +154,9 @@ def test_bfloat16_on_the_cpu_runs_4_bit_and_says_so(tiny_gguf, capfd):
     assert all(len(o.outputs[0].token_ids) == 16 for o in outs)
 
 
+@pytest.mark.usefixtures("torch_ops")
 def test_float32_dequantizes_exactly_and_says_so(tiny_gguf, capfd):
+    """Without the C kernels."""
     llm = LLM(tiny_gguf, skip_tokenizer_init=True, device="cpu", dtype="float32",
               num_blocks=32)
     assert all({seg.kind for seg in m.method.segments} == {"dense"} for m in _linears(llm))
@@ -107,7 +164,9 @@ def test_float32_dequantizes_exactly_and_says_so(tiny_gguf, capfd):
             "float32") in capfd.readouterr().err
 
 
+@pytest.mark.usefixtures("torch_ops")
 def test_a_tied_q8_0_embedding_gets_a_4_bit_lm_head_for_small_batches(tied_gguf, capfd):
+    """Without the C kernels."""
     llm = LLM(tied_gguf, skip_tokenizer_init=True, device="cpu", dtype="bfloat16",
               num_blocks=32)
     model = _model(llm)

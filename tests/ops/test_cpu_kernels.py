@@ -155,7 +155,7 @@ def test_a_failed_build_names_the_compiler_error(fresh_state, monkeypatch, tmp_p
         pytest.skip("no C compiler")
     broken = tmp_path / "broken.c"
     broken.write_text("this is not C;\n")
-    monkeypatch.setattr(cpu_kernels, "SOURCE", broken)
+    monkeypatch.setattr(cpu_kernels, "SOURCES", [broken])
     monkeypatch.setenv("VT_KERNEL_CACHE", str(tmp_path / "cache"))
     assert cpu_kernels.kernels() is None
     status = cpu_kernels.status()

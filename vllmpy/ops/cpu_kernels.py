@@ -1,9 +1,8 @@
-"""C kernels for the CPU (``csrc/cpu_kernels.c``), built on first use and called through
-ctypes.
+"""C kernels for the CPU (``csrc/*.c``), built on first use and called through ctypes.
 
-The source is compiled once per machine with the system's C compiler (``$CC``, else
-``cc``) at ``-O3 -march=native -fopenmp`` into ``VT_KERNEL_CACHE`` (a file named by a hash
-of the source, the compiler and the CPU's flags), then loaded. No PyTorch headers are
+The sources are compiled into one library once per machine with the system's C compiler
+(``$CC``, else ``cc``) at ``-O3 -march=native -fopenmp`` into ``VT_KERNEL_CACHE`` (a file
+named by a hash of the sources, the compiler and the CPU's flags), then loaded. No PyTorch headers are
 involved, so a build takes about a second. The library's OpenMP calls run on the runtime
 PyTorch has already loaded, so its threads are PyTorch's.
 
@@ -28,7 +27,7 @@ import torch
 
 from vllmpy import envs
 
-SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.c"
+SOURCES = sorted((Path(__file__).parent / "csrc").glob("*.c"))  # one library of them all
 FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
 
 # dtype codes of the C source
@@ -44,6 +43,9 @@ _SIGNATURES = {
     "add_rms_norm": [_i64, _i64, _vp, _i64, _vp, _i64, _vp, _f32, _vp, _vp, _int, _int],
     "rotary_neox": [_i64, _vp, _vp, _i64, _i64, _vp, _i64, _i64, _i64, _i64, _vp, _int, _int],
     "silu_and_mul": [_i64, _i64, _vp, _i64, _vp, _int, _int],
+    "gguf_linear": [_i64, _i64, _i64, _vp, _i64, _int, _vp, _i64, _int, _vp, _i64, _int,
+                    _int],
+    "gguf_dequantize": [_i64, _i64, _vp, _i64, _int, _vp, _int, _int],
 }
 
 _lock = threading.Lock()
@@ -92,7 +94,7 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
                                  timeout=30).stdout
     except (OSError, subprocess.SubprocessError) as e:
         return None, f"not built ({cc} --version failed: {e}): PyTorch ops"
-    source = SOURCE.read_bytes()
+    source = b"".join(path.read_bytes() for path in SOURCES)
     key = hashlib.sha256(source + version.encode() + " ".join(FLAGS).encode()
                          + _cpu_flags().encode()).hexdigest()[:16]
     cache = Path(envs.VT_KERNEL_CACHE)
@@ -102,7 +104,7 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
         os.close(fd)
         try:
-            done = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", tmp, "-lm"],
+            done = subprocess.run([cc, *FLAGS, *map(str, SOURCES), "-o", tmp, "-lm"],
                                   capture_output=True, text=True, timeout=300)
             if done.returncode != 0:
                 return None, (f"not built ({cc} failed: {done.stderr.strip()[-300:]}): "
@@ -115,7 +117,8 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
     for name, argtypes in _SIGNATURES.items():
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = argtypes, None
-    return lib, "C kernels (decode attention, RMSNorm, rotary, SiLU-and-mul)"
+    return lib, ("C kernels (decode attention, RMSNorm, rotary, SiLU-and-mul, GGUF "
+                 "block matmul)")
 
 
 def code(dtype: torch.dtype) -> int | None:

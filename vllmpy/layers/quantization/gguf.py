@@ -7,8 +7,11 @@ model decides per shard, once the layer's shards are in:
 * on CUDA, every block type of ``vllmpy.ops.gguf_quants`` stays in its blocks and runs
   through ``vllmpy.ops.gguf_gemm`` (a fused dequant-GEMV for decode rows, a dequant-GEMM
   for prefill);
-* on the CPU in bfloat16, Q4_0 / Q4_1 run PyTorch's 4-bit matmul (``vllmpy.ops.cpu_int4``)
-  and the k-quants ``vllmpy.ops.cpu_quant`` takes where it beats the dense matmul;
+* on the CPU, the types of ``vllmpy.ops.cpu_gguf`` stay in their blocks and run through
+  its C kernel (any activation dtype; a tied head too, beside the dense embedding that
+  serves the lookups); without the C kernels, in bfloat16, Q4_0 / Q4_1 run PyTorch's 4-bit
+  matmul (``vllmpy.ops.cpu_int4``) and the k-quants ``vllmpy.ops.cpu_quant`` takes where it
+  beats the dense matmul;
 * anything else is dequantized into a dense weight, exactly as gguf-py dequantizes it.
 
 Shards of one packed layer that came in different types (a Q4_K_M file's Q4_K q/k beside
@@ -143,7 +146,8 @@ def cuda_types() -> frozenset[str]:
 @dataclass
 class Segment:
     """Consecutive output rows of a layer run by one kernel: ``kind`` is "gguf" (blocks,
-    Triton), "int4" (CPU 4-bit matmul), "cpu_quant" (a CPU k-quant kernel) or "dense"."""
+    Triton), "cpu_blocks" (blocks, the CPU's C kernel), "int4" (CPU 4-bit matmul),
+    "cpu_quant" (a CPU k-quant kernel) or "dense"."""
 
     offset: int
     rows: int
@@ -161,6 +165,10 @@ class Segment:
             # then cuBLAS (the Triton dequant-GEMM does not build on every Triton release)
             y = F.linear(x, self.weight.dequantize(x.dtype))
             return y if out is None else out.copy_(y)
+        if self.kind == "cpu_blocks":
+            from vllmpy.ops import cpu_gguf
+
+            return cpu_gguf.linear(x, self.weight, out)
         if self.kind == "int4":
             from vllmpy.ops.cpu_int4 import int4_linear
 
@@ -183,6 +191,10 @@ def _segment_kind(quant_type: str | None, rows: int, cols: int, device: torch.de
         return "dense"
     if device.type == "cuda":
         return "gguf" if quant_type in cuda_types() else "dense"
+    from vllmpy.ops import cpu_gguf
+
+    if cpu_gguf.supported(quant_type, cols, device):
+        return "cpu_blocks"
     from vllmpy.ops.cpu_int4 import int4_supported
 
     if int4_supported(quant_type, rows, device, dtype):
@@ -208,6 +220,10 @@ def _make_segment(offset: int, parts: list[torch.Tensor], kind: str, cols: int,
         from vllmpy.ops.gguf_quants import prepare
 
         weight = prepare(blocks, qtype, rows, cols)
+    elif kind == "cpu_blocks":
+        from vllmpy.ops import cpu_gguf
+
+        weight = cpu_gguf.make(blocks, qtype, rows, cols)
     elif kind == "int4":
         from vllmpy.ops.cpu_int4 import pack_int4
 
@@ -228,6 +244,7 @@ class GGUFLinearMethod(LinearMethod):
         self.pending: dict[Any, torch.Tensor] = {}  # shard id -> its tensor, until finish
         self.segments: list[Segment] = []
         self.dense_beside: torch.Tensor | None = None  # a tied CPU head's embedding
+        self.beside_above = INT4_MAX_TOKENS_BESIDE_DENSE  # tokens past which it serves
         self.dtype = torch.float32
 
     def create_weights(self, layer: Linear) -> None:
@@ -275,7 +292,7 @@ class GGUFLinearMethod(LinearMethod):
                                        self.dtype) for off, parts, kind in groups]
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
-        if self.dense_beside is not None and x.shape[0] > INT4_MAX_TOKENS_BESIDE_DENSE:
+        if self.dense_beside is not None and x.shape[0] > self.beside_above:
             y = F.linear(x, self.dense_beside)
         elif len(self.segments) == 1:
             y = self.segments[0].run(x)
@@ -292,12 +309,18 @@ class GGUFLinearMethod(LinearMethod):
         types = "+".join(dict.fromkeys(s.quant_type for s in quantized))  # type: ignore[misc]
         kinds = {s.kind for s in quantized}
         hows = []
-        for kind in ("gguf", "int4", "cpu_quant", "dense"):
+        for kind in ("gguf", "cpu_blocks", "int4", "cpu_quant", "dense"):
             if kind not in kinds:
                 continue
             if kind == "gguf":
                 hows.append("kept in GGUF blocks (Triton dequant-GEMV; prefill "
                             "dequantizes a transient copy for cuBLAS)")
+            elif kind == "cpu_blocks":
+                how = f"kept in GGUF blocks (CPU C kernel, {dtype_name(self.dtype)})"
+                if self.dense_beside is not None:
+                    how += (f" up to {self.beside_above} tokens, dense "
+                            f"{dtype_name(self.dense_beside.dtype)} above")
+                hows.append(how)
             elif kind == "int4":
                 how = f"run 4-bit (CPU int4 matmul, {dtype_name(self.dtype)})"
                 if self.dense_beside is not None:
@@ -322,25 +345,37 @@ class GGUFConfig(QuantizationConfig):
 
 
 def tied_head(embed: torch.nn.Module, tensor: QuantizedTensor) -> Linear | None:
-    """A CPU output head for a tied embedding that came as Q4_0 / Q4_1 / Q8_0 (Q8_0 in two
-    passes) in a bfloat16 model: a 4-bit copy for up to ``INT4_MAX_TOKENS_BESIDE_DENSE``
-    tokens beside the dense embedding, which serves larger batches. None where it does not
-    apply (on CUDA a quantized embedding is its own head: ``head_logits``)."""
+    """A CPU output head for a tied embedding that came block-quantized: its blocks through
+    the C kernel (``cpu_gguf``) for up to ``cpu_gguf.MAX_KERNEL_ROWS`` tokens, or, without
+    it, a 4-bit copy of a Q4_0 / Q4_1 / Q8_0 table (Q8_0 in two passes) in a bfloat16 model
+    for up to ``INT4_MAX_TOKENS_BESIDE_DENSE`` tokens; the dense embedding (which serves the
+    lookups) takes larger batches. None where neither applies (on CUDA a quantized
+    embedding is its own head: ``head_logits``)."""
     from vllmpy.layers.linear import Linear
+    from vllmpy.ops import cpu_gguf
     from vllmpy.ops.cpu_int4 import int4_supported, pack_int4
 
     vocab, hidden = tuple(tensor.shape)
     weight = getattr(embed, "weight", None)
-    if weight is None or not int4_supported(tensor.quant_type, vocab, weight.device,
-                                            weight.dtype, two_pass=True):
+    if weight is None:
+        return None
+    if cpu_gguf.supported(tensor.quant_type, hidden, weight.device):
+        segment = Segment(0, vocab, "cpu_blocks", tensor.quant_type,
+                          cpu_gguf.make(tensor.blocks, tensor.quant_type, vocab, hidden))
+        above = cpu_gguf.MAX_KERNEL_ROWS
+    elif int4_supported(tensor.quant_type, vocab, weight.device, weight.dtype,
+                        two_pass=True):
+        segment = Segment(0, vocab, "int4", tensor.quant_type,
+                          pack_int4(tensor.blocks, tensor.quant_type, hidden, weight.dtype))
+        above = INT4_MAX_TOKENS_BESIDE_DENSE
+    else:
         return None
     with torch.device("meta"):
         head = Linear(hidden, vocab)
     method = GGUFLinearMethod()
     head.set_method(method)
     method.dtype = weight.dtype
-    method.segments = [Segment(0, vocab, "int4", tensor.quant_type,
-                               pack_int4(tensor.blocks, tensor.quant_type, hidden,
-                                         weight.dtype))]
+    method.segments = [segment]
     method.dense_beside = weight
+    method.beside_above = above
     return head
