@@ -5,8 +5,9 @@ Each output row's blocks are decoded to float32 inside the kernel and multiplied
 activation rows in float32, so a layer reads its blocks (4.5-8.5 bits a weight) instead of
 a dense copy, in any activation dtype: the products are those of the weights gguf-py's
 ``dequantize`` gives, summed in another order. Steps of more than ``MAX_KERNEL_ROWS``
-rows (prefills) decode the matrix into a transient dense copy of the activation dtype
-and take PyTorch's matmul, whose large-row rate the kernel does not reach.
+rows (prefills) decode the matrix into a transient float32 copy and take PyTorch's
+float32 matmul, whose large-row rate the kernel does not reach (and which, unlike a
+bfloat16 one, every CPU runs at its vector rate).
 """
 
 from __future__ import annotations
@@ -58,9 +59,9 @@ def linear(x: torch.Tensor, w: BlockWeight, out: torch.Tensor | None = None) -> 
     """``x @ W.T`` for 2-D ``x`` [m, cols] (float32, bfloat16 or float16), in x's dtype;
     into ``out`` [m, rows] (rows contiguous) when given."""
     m = x.shape[0]
-    if m > MAX_KERNEL_ROWS:
-        y = F.linear(x, dequantize(w, x.dtype))
-        return y if out is None else out.copy_(y)
+    if m > MAX_KERNEL_ROWS:  # in float32: a CPU without bfloat16 units multiplies it slowly
+        y = F.linear(x.float(), dequantize(w, torch.float32))
+        return y.to(x.dtype) if out is None else out.copy_(y)
     lib = cpu_kernels.kernels()
     assert lib is not None
     if x.stride(-1) != 1:
