@@ -87,11 +87,13 @@ def _prompts(n: int) -> list[list[int]]:
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_with_the_c_kernels_the_blocks_stay_and_it_says_so(tiny_gguf, capfd, dtype):
+def test_float32_keeps_the_blocks_and_says_so(tiny_gguf, capfd):
+    """With the C kernels (in bfloat16 the 4-bit types keep PyTorch's 4-bit matmul, as
+    below)."""
     from attention.cpu_paths import require_kernels
 
     require_kernels()
+    dtype = "float32"
     llm = LLM(tiny_gguf, skip_tokenizer_init=True, device="cpu", dtype=dtype, num_blocks=32)
     layers = _linears(llm)
     assert len(layers) == 4 * LAYERS + 1
@@ -137,9 +139,8 @@ def test_a_tied_q8_0_embedding_is_its_own_head_in_blocks(tied_gguf):
                        torch.nn.functional.linear(hidden, embedding))
 
 
-@pytest.mark.usefixtures("torch_ops")
 def test_bfloat16_on_the_cpu_runs_4_bit_and_says_so(tiny_gguf, capfd):
-    """Without the C kernels."""
+    """With or without the C kernels."""
     llm = LLM(tiny_gguf, skip_tokenizer_init=True, device="cpu", dtype="bfloat16",
               num_blocks=32)
     # qkv, o, gate_up and down of each layer, and the (untied) lm_head
@@ -166,7 +167,7 @@ def test_float32_dequantizes_exactly_and_says_so(tiny_gguf, capfd):
 
 @pytest.mark.usefixtures("torch_ops")
 def test_a_tied_q8_0_embedding_gets_a_4_bit_lm_head_for_small_batches(tied_gguf, capfd):
-    """Without the C kernels."""
+    """Without the C kernels (with them, a float32 model's head runs on the blocks)."""
     llm = LLM(tied_gguf, skip_tokenizer_init=True, device="cpu", dtype="bfloat16",
               num_blocks=32)
     model = _model(llm)

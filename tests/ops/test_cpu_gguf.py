@@ -114,16 +114,27 @@ def layer_of(qtype: str, rows: int, cols: int, dtype: torch.dtype, seed: int = 0
     return layer
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_every_type_stays_in_its_blocks_in_a_layer(dtype):
+def test_in_float32_every_type_stays_in_its_blocks_in_a_layer():
     for qtype in TYPES:
-        layer = layer_of(qtype, 32, 256, dtype)
+        layer = layer_of(qtype, 32, 256, torch.float32)
         assert [s.kind for s in layer.method.segments] == ["cpu_blocks"]
         seg = layer.method.segments[0]
         assert seg.weight.nbytes == seg.weight.blocks.numel()  # no dense copy beside
-    assert describe_quantized_layers(layer_of("Q4_1", 32, 256, dtype)) == (
+    assert describe_quantized_layers(layer_of("Q4_1", 32, 256, torch.float32)) == (
         "quantized linear weights: 1 Q4_1 layer(s) kept in GGUF blocks (CPU C kernel, "
-        f"{'float32' if dtype == torch.float32 else 'bfloat16'})")
+        "float32)")
+
+
+def test_in_bfloat16_pytorchs_4_bit_kernels_keep_their_types_and_the_blocks_the_rest():
+    expected = {"Q4_0": "int4", "Q4_1": "int4", "Q5_0": "cpu_blocks", "Q5_1": "cpu_blocks"}
+    for qtype, kind in expected.items():
+        layer = layer_of(qtype, 32, 256, torch.bfloat16)
+        assert [s.kind for s in layer.method.segments] == [kind], qtype
+    x = torch.randn(3, 256).bfloat16()
+    layer = layer_of("Q5_1", 32, 256, torch.bfloat16, seed=9)
+    blocks = layer.method.segments[0].weight.blocks
+    exact = x.double() @ reference(blocks, "Q5_1", 32, 256).t()
+    assert rel_err(layer(x), exact) < 8e-3
 
 
 def test_packed_shards_of_mixed_types_write_their_own_columns():
@@ -143,7 +154,7 @@ def test_packed_shards_of_mixed_types_write_their_own_columns():
         assert rel_err(layer(x), x.double() @ torch.cat(dense).t()) < 2e-6
 
 
-def test_a_tied_head_runs_on_the_embeddings_blocks_and_the_dense_table_above():
+def test_a_tied_float32_head_runs_on_the_embeddings_blocks_and_the_dense_table_above():
     vocab, hidden = 96, 64
     blocks = random_blocks("Q8_0", vocab, hidden, seed=5)
     table = reference(blocks, "Q8_0", vocab, hidden).float()

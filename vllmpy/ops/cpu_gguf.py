@@ -1,5 +1,8 @@
 """GGUF weights kept in their blocks on the CPU, multiplied by the C kernel
-``gguf_linear`` (``csrc/gguf_blocks.c``).
+``gguf_linear`` (``csrc/gguf_blocks.c``): what a float32 model (the CPU default) and the
+types PyTorch's 4-bit kernels do not take run on (``layers/quantization/gguf.py``; in
+bfloat16 those kernels decode the 4-bit types a little faster on the machines measured,
+docs/perf-log/cpu-decode.md).
 
 Each output row's blocks are decoded to float32 inside the kernel and multiplied with the
 activation rows in float32, so a layer reads its blocks (4.5-8.5 bits a weight) instead of

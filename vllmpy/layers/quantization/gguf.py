@@ -7,11 +7,11 @@ model decides per shard, once the layer's shards are in:
 * on CUDA, every block type of ``vllmpy.ops.gguf_quants`` stays in its blocks and runs
   through ``vllmpy.ops.gguf_gemm`` (a fused dequant-GEMV for decode rows, a dequant-GEMM
   for prefill);
-* on the CPU, the types of ``vllmpy.ops.cpu_gguf`` stay in their blocks and run through
-  its C kernel (any activation dtype; a tied head too, beside the dense embedding that
-  serves the lookups); without the C kernels, in bfloat16, Q4_0 / Q4_1 run PyTorch's 4-bit
-  matmul (``vllmpy.ops.cpu_int4``) and the k-quants ``vllmpy.ops.cpu_quant`` takes where it
-  beats the dense matmul;
+* on the CPU in bfloat16, Q4_0 / Q4_1 run PyTorch's 4-bit matmul (``vllmpy.ops.cpu_int4``)
+  and the k-quants ``vllmpy.ops.cpu_quant`` takes where it beats the dense matmul; every
+  other case of a type ``vllmpy.ops.cpu_gguf`` knows (float32 above all, the README's
+  default) stays in its blocks and runs through its C kernel (a tied head too, beside the
+  dense embedding that serves the lookups);
 * anything else is dequantized into a dense weight, exactly as gguf-py dequantizes it.
 
 Shards of one packed layer that came in different types (a Q4_K_M file's Q4_K q/k beside
@@ -192,9 +192,6 @@ def _segment_kind(quant_type: str | None, rows: int, cols: int, device: torch.de
     if device.type == "cuda":
         return "gguf" if quant_type in cuda_types() else "dense"
     from vllmpy.ops import cpu_gguf
-
-    if cpu_gguf.supported(quant_type, cols, device):
-        return "cpu_blocks"
     from vllmpy.ops.cpu_int4 import int4_supported
 
     if int4_supported(quant_type, rows, device, dtype):
@@ -202,8 +199,10 @@ def _segment_kind(quant_type: str | None, rows: int, cols: int, device: torch.de
     try:
         from vllmpy.ops import cpu_quant
     except ImportError:
-        return "dense"
-    return "cpu_quant" if cpu_quant.supported(quant_type, rows, cols, dtype) else "dense"
+        cpu_quant = None  # type: ignore[assignment]
+    if cpu_quant is not None and cpu_quant.supported(quant_type, rows, cols, dtype):
+        return "cpu_quant"
+    return "cpu_blocks" if cpu_gguf.supported(quant_type, cols, device) else "dense"
 
 
 def _make_segment(offset: int, parts: list[torch.Tensor], kind: str, cols: int,
@@ -345,11 +344,11 @@ class GGUFConfig(QuantizationConfig):
 
 
 def tied_head(embed: torch.nn.Module, tensor: QuantizedTensor) -> Linear | None:
-    """A CPU output head for a tied embedding that came block-quantized: its blocks through
-    the C kernel (``cpu_gguf``) for up to ``cpu_gguf.MAX_KERNEL_ROWS`` tokens, or, without
-    it, a 4-bit copy of a Q4_0 / Q4_1 / Q8_0 table (Q8_0 in two passes) in a bfloat16 model
-    for up to ``INT4_MAX_TOKENS_BESIDE_DENSE`` tokens; the dense embedding (which serves the
-    lookups) takes larger batches. None where neither applies (on CUDA a quantized
+    """A CPU output head for a tied embedding that came block-quantized: in a bfloat16
+    model a 4-bit copy of a Q4_0 / Q4_1 / Q8_0 table (Q8_0 in two passes) for up to
+    ``INT4_MAX_TOKENS_BESIDE_DENSE`` tokens, else the blocks through the C kernel
+    (``cpu_gguf``) for up to ``cpu_gguf.MAX_KERNEL_ROWS``; the dense embedding (which serves
+    the lookups) takes larger batches. None where neither applies (on CUDA a quantized
     embedding is its own head: ``head_logits``)."""
     from vllmpy.layers.linear import Linear
     from vllmpy.ops import cpu_gguf
@@ -359,15 +358,14 @@ def tied_head(embed: torch.nn.Module, tensor: QuantizedTensor) -> Linear | None:
     weight = getattr(embed, "weight", None)
     if weight is None:
         return None
-    if cpu_gguf.supported(tensor.quant_type, hidden, weight.device):
-        segment = Segment(0, vocab, "cpu_blocks", tensor.quant_type,
-                          cpu_gguf.make(tensor.blocks, tensor.quant_type, vocab, hidden))
-        above = cpu_gguf.MAX_KERNEL_ROWS
-    elif int4_supported(tensor.quant_type, vocab, weight.device, weight.dtype,
-                        two_pass=True):
+    if int4_supported(tensor.quant_type, vocab, weight.device, weight.dtype, two_pass=True):
         segment = Segment(0, vocab, "int4", tensor.quant_type,
                           pack_int4(tensor.blocks, tensor.quant_type, hidden, weight.dtype))
         above = INT4_MAX_TOKENS_BESIDE_DENSE
+    elif cpu_gguf.supported(tensor.quant_type, hidden, weight.device):
+        segment = Segment(0, vocab, "cpu_blocks", tensor.quant_type,
+                          cpu_gguf.make(tensor.blocks, tensor.quant_type, vocab, hidden))
+        above = cpu_gguf.MAX_KERNEL_ROWS
     else:
         return None
     with torch.device("meta"):
