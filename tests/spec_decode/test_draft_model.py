@@ -13,8 +13,9 @@ GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
 PROMPT = "one two three four one two three four item 7: def f(x): return x"
 
 
-def _catch_up_sizes(monkeypatch, llm_args: dict) -> tuple[list[int], list[list[int]], LLM]:
-    """(tokens of each catch-up forward of the draft, outputs, the engine)."""
+def _run(monkeypatch, target: str, draft: str) -> tuple[list[int], LLM]:
+    """(tokens of each catch-up forward of the draft after the prompt's, the speculative
+    engine), its outputs checked against the plain engine's."""
     sizes: list[int] = []
     original = draft_model.DraftModelProposer._catch_up
 
@@ -25,9 +26,15 @@ def _catch_up_sizes(monkeypatch, llm_args: dict) -> tuple[list[int], list[list[i
                      if before.get(r) is not None)
 
     monkeypatch.setattr(draft_model.DraftModelProposer, "_catch_up", counting)
-    llm = LLM(**llm_args)
+    engine = dict(load_format="dummy", device="cpu", dtype="float32", max_model_len=512,
+                  num_blocks=64)
+    spec = {"method": "draft_model", "model": draft, "num_speculative_tokens": K}
+    llm = LLM(target, speculative_config=spec, **engine)
     outs = [o.outputs[0].token_ids for o in llm.generate([PROMPT], GREEDY)]
-    return sizes, outs, llm
+    plain = LLM(target, **engine)
+    assert outs == [o.outputs[0].token_ids for o in plain.generate([PROMPT], GREEDY)]
+    assert llm.engine.engine_core.get_stats().kv_cache_usage == 0.0
+    return sizes, llm
 
 
 def test_accepted_drafts_are_not_computed_again(tmp_path, monkeypatch):
@@ -36,18 +43,11 @@ def test_accepted_drafts_are_not_computed_again(tmp_path, monkeypatch):
     the target's bonus token (2 tokens), where recomputing the accepted drafts would take
     K + 1."""
     path = write_tiny_chat_model(tmp_path / "target")
-    spec = {"method": "draft_model", "model": path, "num_speculative_tokens": K}
-    args = dict(model=path, load_format="dummy", device="cpu", dtype="float32",
-                max_model_len=512, num_blocks=64, speculative_config=spec)
-    sizes, outs, llm = _catch_up_sizes(monkeypatch, args)
-    plain = LLM(path, load_format="dummy", device="cpu", dtype="float32", max_model_len=512,
-                num_blocks=64)
-    assert outs == [o.outputs[0].token_ids for o in plain.generate([PROMPT], GREEDY)]
+    sizes, llm = _run(monkeypatch, path, path)
     stats = llm.engine.engine_core.get_stats().spec_decoding
     assert stats.num_accepted_tokens == stats.num_draft_tokens > 0  # all accepted
     # (the last verify may carry fewer drafts, cut to the tokens max_tokens leaves)
     assert sizes and all(n == 2 for n in sizes[:-1]) and sizes[-1] in (1, 2), str(sizes)
-    assert llm.engine.engine_core.get_stats().kv_cache_usage == 0.0
 
 
 def test_a_rejected_draft_is_computed_again(tmp_path, monkeypatch):
@@ -64,13 +64,7 @@ def test_a_rejected_draft_is_computed_again(tmp_path, monkeypatch):
     (draft / "config.json").write_text(json.dumps(dict(config, num_hidden_layers=1)))
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(tmp_path / "target" / name, draft)
-    spec = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": K}
-    args = dict(model=target, load_format="dummy", device="cpu", dtype="float32",
-                max_model_len=512, num_blocks=64, speculative_config=spec)
-    sizes, outs, llm = _catch_up_sizes(monkeypatch, args)
-    plain = LLM(target, load_format="dummy", device="cpu", dtype="float32", max_model_len=512,
-                num_blocks=64)
-    assert outs == [o.outputs[0].token_ids for o in plain.generate([PROMPT], GREEDY)]
+    sizes, llm = _run(monkeypatch, target, str(draft))
     stats = llm.engine.engine_core.get_stats().spec_decoding
     assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
     # each catch-up: 1 token (its first draft rejected) up to 2 (every draft accepted)

@@ -94,7 +94,8 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
                                  timeout=30).stdout
     except (OSError, subprocess.SubprocessError) as e:
         return None, f"not built ({cc} --version failed: {e}): PyTorch ops"
-    source = b"".join(path.read_bytes() for path in SOURCES)
+    headers = sorted(SOURCES[0].parent.glob("*.h")) if SOURCES else []
+    source = b"".join(path.read_bytes() for path in (*SOURCES, *headers))
     key = hashlib.sha256(source + version.encode() + " ".join(FLAGS).encode()
                          + _cpu_flags().encode()).hexdigest()[:16]
     cache = Path(envs.VT_KERNEL_CACHE)

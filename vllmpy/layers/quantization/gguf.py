@@ -315,22 +315,24 @@ class GGUFLinearMethod(LinearMethod):
                 hows.append("kept in GGUF blocks (Triton dequant-GEMV; prefill "
                             "dequantizes a transient copy for cuBLAS)")
             elif kind == "cpu_blocks":
-                how = f"kept in GGUF blocks (CPU C kernel, {dtype_name(self.dtype)})"
-                if self.dense_beside is not None:
-                    how += (f" up to {self.beside_above} tokens, dense "
-                            f"{dtype_name(self.dense_beside.dtype)} above")
-                hows.append(how)
+                hows.append(self._beside(f"kept in GGUF blocks (CPU C kernel, "
+                                         f"{dtype_name(self.dtype)})"))
             elif kind == "int4":
-                how = f"run 4-bit (CPU int4 matmul, {dtype_name(self.dtype)})"
-                if self.dense_beside is not None:
-                    how += (f" up to {INT4_MAX_TOKENS_BESIDE_DENSE} tokens, dense "
-                            f"{dtype_name(self.dense_beside.dtype)} above")
-                hows.append(how)
+                hows.append(self._beside(f"run 4-bit (CPU int4 matmul, "
+                                         f"{dtype_name(self.dtype)})"))
             elif kind == "cpu_quant":
                 hows.append(f"kept in GGUF blocks (CPU kernel, {dtype_name(self.dtype)})")
             else:
                 hows.append(f"dequantized to {dtype_name(self.dtype)}")
         return f"{types} layer(s) " + " and ".join(hows)
+
+
+    def _beside(self, how: str) -> str:
+        """``how``, and where a dense weight serves the larger batches, from when."""
+        if self.dense_beside is None:
+            return how
+        return (f"{how} up to {self.beside_above} tokens, dense "
+                f"{dtype_name(self.dense_beside.dtype)} above")
 
 
 class GGUFConfig(QuantizationConfig):

@@ -14,22 +14,9 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "bf16.h"
+
 enum { F32 = 0, BF16 = 1, F16 = 2 };
-
-static inline float bf16_to_f32(uint16_t x) {
-    union { uint32_t u; float f; } v;
-    v.u = (uint32_t)x << 16;
-    return v.f;
-}
-
-static inline uint16_t f32_to_bf16(float f) {
-    union { uint32_t u; float f; } v;
-    v.f = f;
-    const uint32_t u = v.u;
-    const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
-    const uint32_t quiet = (u >> 16) | 0x40u; /* NaN stays NaN */
-    return (uint16_t)(((u & 0x7fffffffu) > 0x7f800000u) ? quiet : rounded);
-}
 
 static inline size_t elt_size(int dtype) { return dtype == F32 ? 4 : 2; }
 

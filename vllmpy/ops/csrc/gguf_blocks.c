@@ -25,6 +25,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "bf16.h"
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define GGUF_AVX2 1
@@ -37,21 +39,6 @@ static inline float half_at(const uint8_t *p) {
     _Float16 h;
     memcpy(&h, p, 2);
     return (float)h;
-}
-
-static inline float gbf16_to_f32(uint16_t x) {
-    union { uint32_t u; float f; } v;
-    v.u = (uint32_t)x << 16;
-    return v.f;
-}
-
-static inline uint16_t gf32_to_bf16(float f) {
-    union { uint32_t u; float f; } v;
-    v.f = f;
-    const uint32_t u = v.u;
-    const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
-    const uint32_t quiet = (u >> 16) | 0x40u;
-    return (uint16_t)(((u & 0x7fffffffu) > 0x7f800000u) ? quiet : rounded);
 }
 
 #ifndef GGUF_AVX2
@@ -117,10 +104,11 @@ static void decode_row(int qtype, const uint8_t *restrict blk, int64_t k, float 
             for (int j = 0; j < 32; j++) w[i + j] = d * (float)q[j];
         }
         break;
-    case Q4_K:
-        for (int64_t i = 0; i < k; i += 256, blk += 144) {
+    case Q4_K: case Q5_K: /* Q5_K: Q4_K's layout with a fifth bit a weight in qh[32] */
+        for (int64_t i = 0; i < k; blk += qtype == Q4_K ? 144 : 176, i += 256) {
             const float d = half_at(blk), dmin = half_at(blk + 2);
-            const uint8_t *scales = blk + 4, *qs = blk + 16;
+            const uint8_t *scales = blk + 4, *qh = blk + 16;
+            const uint8_t *qs = blk + (qtype == Q4_K ? 16 : 48);
             for (int c = 0; c < 4; c++) { /* 64 weights: sub-blocks 2c (low), 2c + 1 (high) */
                 float sc0, m0, sc1, m1;
                 scale_min_k4(2 * c, scales, &sc0, &m0);
@@ -128,29 +116,12 @@ static void decode_row(int qtype, const uint8_t *restrict blk, int64_t k, float 
                 const float a0 = d * sc0, b0 = -dmin * m0, a1 = d * sc1, b1 = -dmin * m1;
                 const uint8_t *q = qs + 32 * c;
                 float *o = w + i + 64 * c;
-#pragma omp simd
                 for (int l = 0; l < 32; l++) {
-                    o[l] = a0 * (float)(q[l] & 0x0F) + b0;
-                    o[l + 32] = a1 * (float)(q[l] >> 4) + b1;
-                }
-            }
-        }
-        break;
-    case Q5_K:
-        for (int64_t i = 0; i < k; i += 256, blk += 176) {
-            const float d = half_at(blk), dmin = half_at(blk + 2);
-            const uint8_t *scales = blk + 4, *qh = blk + 16, *qs = blk + 48;
-            for (int c = 0; c < 4; c++) {
-                float sc0, m0, sc1, m1;
-                scale_min_k4(2 * c, scales, &sc0, &m0);
-                scale_min_k4(2 * c + 1, scales, &sc1, &m1);
-                const float a0 = d * sc0, b0 = -dmin * m0, a1 = d * sc1, b1 = -dmin * m1;
-                const uint8_t *q = qs + 32 * c;
-                float *o = w + i + 64 * c;
-#pragma omp simd
-                for (int l = 0; l < 32; l++) {
-                    const int lo = (q[l] & 0x0F) | (((qh[l] >> (2 * c)) & 1) << 4);
-                    const int hi = (q[l] >> 4) | (((qh[l] >> (2 * c + 1)) & 1) << 4);
+                    int lo = q[l] & 0x0F, hi = q[l] >> 4;
+                    if (qtype == Q5_K) {
+                        lo |= ((qh[l] >> (2 * c)) & 1) << 4;
+                        hi |= ((qh[l] >> (2 * c + 1)) & 1) << 4;
+                    }
                     o[l] = a0 * (float)lo + b0;
                     o[l + 32] = a1 * (float)hi + b1;
                 }
@@ -185,7 +156,7 @@ static inline void store_value(void *out, int64_t at, int dtype, float v) {
     if (dtype == GF32)
         ((float *)out)[at] = v;
     else if (dtype == GBF16)
-        ((uint16_t *)out)[at] = gf32_to_bf16(v);
+        ((uint16_t *)out)[at] = f32_to_bf16(v);
     else
         ((_Float16 *)out)[at] = (_Float16)v;
 }
@@ -445,7 +416,7 @@ void gguf_linear(int64_t m, int64_t n_out, int64_t k, const void *x, int64_t x_s
         } else if (x_dtype == GBF16) {
             const uint16_t *s = (const uint16_t *)x + r * x_stride;
 #pragma omp simd
-            for (int64_t i = 0; i < k; i++) dst[i] = gbf16_to_f32(s[i]);
+            for (int64_t i = 0; i < k; i++) dst[i] = bf16_to_f32(s[i]);
         } else {
             const _Float16 *s = (const _Float16 *)x + r * x_stride;
 #pragma omp simd
@@ -498,7 +469,7 @@ void gguf_dequantize(int64_t rows, int64_t k, const uint8_t *w, int64_t w_row_by
 #endif
             if (out_dtype == GBF16) {
                 uint16_t *o = (uint16_t *)out + n * k;
-                for (int64_t i = 0; i < k; i++) o[i] = gf32_to_bf16(wrow[i]);
+                for (int64_t i = 0; i < k; i++) o[i] = f32_to_bf16(wrow[i]);
             } else if (out_dtype == GF16) {
                 _Float16 *o = (_Float16 *)out + n * k;
                 for (int64_t i = 0; i < k; i++) o[i] = (_Float16)wrow[i];
