@@ -10,7 +10,8 @@ Without ``--gguf`` the file is written here with random blocks (sane fp16 scales
 reads the same bytes per token as a real one. Q2 / Q4: the same workload on the
 Qwen3-8B config with dummy weights quantized at load by the FP8 block-128 method and by
 the GPTQ 4-bit group-128 method (``benchmarks/configs``). Q3: the P4 workload
-(1,000 x 1,024 in / 512 out) through the FP8 method. The roofline column is the weight
+(1,000 x 1,024 in / 512 out) through the FP8 method. P1 / P4: Q2's and Q3's workloads in
+bf16, their baselines in the same run. The roofline column is the weight
 bytes read per token at ``--bandwidth`` (GB/s, the device's measured copy rate).
 """
 
@@ -32,7 +33,7 @@ DECODE = ["--warmup", "1", "--num-prompts", "1", "--input-len", "512", "--output
 P4 = ["--warmup", "32", "--num-prompts", "1000", "--input-len", "1024", "--output-len", "512",
       "--max-num-seqs", "256", "--max-num-batched-tokens", "8192", "--num-blocks", "12288"]
 ROWS = {"Q2": ("qwen3-8b-fp8", DECODE), "Q4": ("qwen3-8b-w4a16", DECODE),
-        "Q3": ("qwen3-8b-fp8", P4)}
+        "Q3": ("qwen3-8b-fp8", P4), "P1": ("qwen3-8b", DECODE), "P4": ("qwen3-8b", P4)}
 
 # Qwen3-8B
 HIDDEN, FFN, LAYERS, HEADS, KV_HEADS, HEAD_DIM, VOCAB = 4096, 12288, 36, 32, 8, 128, 151936

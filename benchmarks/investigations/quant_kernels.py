@@ -5,6 +5,8 @@ Qwen3-8B's projection shapes, against bf16 ``F.linear`` on the same shapes.
     python benchmarks/investigations/quant_kernels.py --sweep    # also the one-row fp8 GEMV's launch
                                                   # configurations, best first
     python benchmarks/investigations/quant_kernels.py --sweep-int4 --only-sweeps  # the int4 GEMV's
+    python benchmarks/investigations/quant_kernels.py --sweep-stream --only-sweeps  # bf16 / fp8
+                                                  # weights through the streaming kernel
 
 Each case is timed as 20 calls replayed from a CUDA graph. One-row calls cycle through
 copies of the weight that together exceed L2, as a decode step's layers do. GB/s counts
@@ -186,12 +188,90 @@ def sweep_int4() -> None:
               + " ".join(f"{b / t / 1e3:5.0f}" for b, t in zip(nbytes, times)) + " GB/s")
 
 
+STREAM_PROLOGUES = {"qkv": "norm", "o": "plain", "gate_up": "norm", "down": "silu"}
+
+
+def sweep_stream() -> None:
+    """A decode step's four projections through the one-row streaming kernel in the fused
+    forms the layers call (norm + qkv, o, norm + gate_up, SiLU + down): bf16 weights, and
+    fp8 weights with 128 x 128 block scales at the default launches and over launch
+    shapes; beside the fp8 block GEMV (unfused) on the same weights."""
+    from vllmpy.ops import skinny_gemm as sk
+
+    print("\none-row streaming kernel: us per projection (qkv o gate_up down), GB/s")
+    prologue = {"norm": sk.RMS_NORM, "plain": sk.PLAIN, "silu": sk.SILU_MUL}
+    cases = {}
+    for name in ("qkv", "o", "gate_up", "down"):
+        n, k = SHAPES[name]
+        kind = STREAM_PROLOGUES[name]
+        width = 2 * k if kind == "silu" else k
+        x = torch.randn(1, width, device="cuda", dtype=torch.bfloat16)
+        res = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+        nw = torch.rand(k, device="cuda", dtype=torch.bfloat16) + 0.5
+        bf16 = copies_of(lambda n=n, k=k: torch.randn(n, k, device="cuda",
+                                                      dtype=torch.bfloat16), 2 * n * k, 1)
+        fp8 = copies_of(lambda n=n, k=k: fp8_block_weight(n, k), n * k, 1)
+        cases[name] = (n, k, prologue[kind], x, res, nw, bf16, fp8)
+
+    def launch(case, weight, scale, shape):
+        n, k, pro, x, res, nw, *_ = case
+        out = torch.empty(1, n, device="cuda", dtype=torch.bfloat16)
+        total = torch.empty(1, k, device="cuda", dtype=torch.bfloat16)
+        norm = pro == sk.RMS_NORM
+        sk._launch(x, res if norm else None, nw if norm else None, total if norm else None,
+                   weight, None, out, pro, 1e-6 if norm else 0.0, *shape, scale=scale)
+
+    def times(fp8: bool, shape=(None, None, None)) -> list[float]:
+        result = []
+        for case in cases.values():
+            weights = case[7] if fp8 else case[6]
+            pick = cycling(weights)
+            if fp8:
+                def call(case=case, pick=pick):
+                    w, s = pick()
+                    launch(case, w, sk.WeightScale(s, (128, 128)), shape)
+            else:
+                def call(case=case, pick=pick):
+                    launch(case, pick(), None, shape)
+            result.append(gpu_us(call))
+        return result
+
+    def show(label: str, ts: list[float], fp8: bool) -> None:
+        per = [n * k * (1 if fp8 else 2) for n, k, *_ in cases.values()]
+        print(f"  {label:28}" + " ".join(f"{t:7.2f}" for t in ts) + f"  sum {sum(ts):7.2f}  "
+              + " ".join(f"{b / t / 1e3:5.0f}" for b, t in zip(per, ts)) + " GB/s")
+
+    show("bf16 default", times(False), False)
+    show("fp8 default", times(True), True)
+    gemv = []
+    for name, case in cases.items():
+        n, k = SHAPES[name]
+        pick = cycling(case[7])
+        xk = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+        gemv.append(gpu_us(lambda xk=xk, pick=pick: fp8_block_linear(xk, *pick())))
+    show("fp8 block GEMV (unfused)", gemv, True)
+    results = []
+    for shape in itertools.product((8, 16), (1024, 2048, 4096), (4, 8)):
+        try:
+            results.append((sum(ts := times(True, (*shape, 3))), shape, ts))
+        except Exception as exc:  # a configuration the compiler rejects
+            print(f"  {shape} failed: {type(exc).__name__}: {str(exc)[:200]}")
+    for _, shape, ts in sorted(results)[:8]:
+        show(f"fp8 {shape}", ts, True)
+    # per projection, the best shape of all
+    best = [min((r[2][i], r[1]) for r in results) for i in range(4)] if results else []
+    print("  best per projection: " + ", ".join(f"{name} {t:.2f} us {shape}" for name, (t, shape)
+                                                in zip(cases, best)))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sweep", action="store_true",
                         help="also time the one-row fp8 GEMV's launch configurations")
     parser.add_argument("--sweep-int4", action="store_true",
                         help="also time the one-row int4 GEMV's launch configurations")
+    parser.add_argument("--sweep-stream", action="store_true",
+                        help="also time the one-row streaming kernel on bf16 and fp8 weights")
     parser.add_argument("--only-sweeps", action="store_true", help="skip the table")
     args = parser.parse_args()
     torch.manual_seed(0)
@@ -200,6 +280,8 @@ def main() -> None:
     rows: list = []
     if args.sweep_int4:
         sweep_int4()
+    if args.sweep_stream:
+        sweep_stream()
     if args.only_sweeps:
         if args.sweep:
             sweep()

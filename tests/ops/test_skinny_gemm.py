@@ -335,3 +335,145 @@ def test_one_row_default_launches_of_long_rows_match_the_reference(prologue: int
         x = torch.randn(1, k, generator=g).to(DEVICE)
         out, ref = skinny_gemm(x, w), F.linear(x, w)
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-3)
+
+
+# ---- fp8 weights with their scales ------------------------------------------------------
+
+def _fp8_weight(n: int, k: int, block: tuple[int, int] | None, g: torch.Generator):
+    """(codes, WeightScale, the dequantized float32 weight) of a random [n, k] matrix,
+    quantized by the FP8 method's own quantizers (the layout checkpoints store)."""
+    from vllmpy.layers.quantization.fp8 import (
+        dequantize_block,
+        quantize_per_block,
+        quantize_per_tensor,
+    )
+    from vllmpy.ops.skinny_gemm import WeightScale
+
+    w = torch.randn(n, k, generator=g)
+    if block is not None:
+        codes, s = quantize_per_block(w, block)
+        return (codes.to(DEVICE), WeightScale(s.to(DEVICE), block),
+                dequantize_block(codes, s, block, torch.float32).to(DEVICE))
+    rows = []
+    scales = []
+    for part in w.split([n // 2, n - n // 2]):  # two shards, each its own tensor scale
+        codes, s = quantize_per_tensor(part)
+        rows.append(codes)
+        scales.append(s.expand(part.shape[0]))
+    codes, s = torch.cat(rows), torch.cat(scales).reshape(n, 1).contiguous()
+    return codes.to(DEVICE), WeightScale(s.to(DEVICE)), (codes.float() * s).to(DEVICE)
+
+
+FP8_SCALES = {"rows": None, "block128": (128, 128), "block16x32": (16, 32)}
+
+
+@pytest.mark.parametrize("scales", sorted(FP8_SCALES))
+@pytest.mark.parametrize("launch", sorted(LAUNCHES))
+@pytest.mark.parametrize("prologue", [PLAIN, RMS_NORM, SILU_MUL])
+def test_fp8_weights_match_their_dequantized_product(scales: str, launch: str,
+                                                     prologue: int) -> None:
+    # the codes widened, times the activation scaled per block (or the row's sum scaled):
+    # the float32 product with the dequantized weight, up to the order of the sums
+    block = FP8_SCALES[scales]
+    n, k = 150, 300  # N and K not multiples of the blocks: partial tiles at both edges
+    g = torch.Generator().manual_seed(len(scales) * 7 + prologue + 3 * len(launch))
+    codes, scale, dense = _fp8_weight(n, k, block, g)
+    b = torch.randn(n, generator=g).to(DEVICE)
+    out = torch.empty(1, n, device=DEVICE)
+    if prologue == SILU_MUL:
+        x = torch.randn(1, 2 * k, generator=g).to(DEVICE)
+        _launch(x, None, None, None, codes, b, out, prologue, 0.0, *LAUNCHES[launch],
+                scale=scale)
+        ref = silu_mul_gemm_ref(x, dense, b)
+    elif prologue == RMS_NORM:
+        x = torch.randn(1, k, generator=g).to(DEVICE)
+        res = torch.randn(1, k, generator=g).to(DEVICE)
+        nw = torch.rand(k, generator=g).to(DEVICE) + 0.5
+        total = torch.empty_like(x)
+        _launch(x, res, nw, total, codes, b, out, prologue, 1e-6, *LAUNCHES[launch],
+                scale=scale)
+        ref, _ = rms_norm_gemm_ref(x, res, nw, 1e-6, dense, b)
+    else:
+        x = torch.randn(1, k, generator=g).to(DEVICE)
+        _launch(x, None, None, None, codes, b, out, prologue, 0.0, *LAUNCHES[launch],
+                scale=scale)
+        ref = F.linear(x, dense, b)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("scales", sorted(FP8_SCALES))
+def test_fp8_public_functions_in_bf16(scales: str) -> None:
+    # the entry points the FP8 method calls, on bfloat16 rows of a few sizes
+    block = FP8_SCALES[scales]
+    g = torch.Generator().manual_seed(11)
+    codes, scale, dense = _fp8_weight(96, 256, block, g)
+    for m in (1, 3):
+        x = torch.randn(m, 256, generator=g).to(DEVICE, torch.bfloat16)
+        exact = F.linear(x.float(), dense)
+        torch.testing.assert_close(skinny_gemm(x, codes, scale=scale).float(), exact,
+                                   rtol=2**-7, atol=2e-2)
+        nw = (torch.rand(256, generator=g) + 0.5).to(DEVICE, torch.bfloat16)
+        out, total = rms_norm_gemm(x, None, nw, 1e-6, codes, scale=scale)
+        ref, _ = rms_norm_gemm_ref(x.float(), None, nw.float(), 1e-6, dense)
+        torch.testing.assert_close(out.float(), ref, rtol=2e-2, atol=5e-2)
+        xx = torch.randn(m, 512, generator=g).to(DEVICE, torch.bfloat16)
+        torch.testing.assert_close(silu_mul_gemm(xx, codes, scale=scale).float(),
+                                   silu_mul_gemm_ref(xx.float(), dense), rtol=2e-2, atol=5e-2)
+
+
+def test_fp8_scale_refusals() -> None:
+    from vllmpy.ops.skinny_gemm import WeightScale
+
+    x = torch.randn(1, 64)
+    codes = torch.randn(32, 64).to(torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="fp8 weight needs its weight_scale"):
+        skinny_gemm(x, codes)
+    with pytest.raises(ValueError, match="weight_scale is for fp8 weights"):
+        skinny_gemm(x, torch.randn(32, 64), scale=WeightScale(torch.ones(32)))
+    with pytest.raises(ValueError, match=r"per-row weight_scale must be a contiguous float32 \[32\]"):
+        skinny_gemm(x, codes, scale=WeightScale(torch.ones(16)))
+    with pytest.raises(ValueError, match=r"block weight_scale must be a float32 \[1, 1\]"):
+        skinny_gemm(x, codes, scale=WeightScale(torch.ones(2, 2), (128, 128)))
+
+
+@pytest.mark.parametrize("scheme", ["block", "tensor"])
+def test_fp8_layers_stream_one_row_through_the_fused_kernels(scheme: str) -> None:
+    # an FP8 method bound to the streaming kernel (as binding to CUDA does) takes a one-row
+    # step through the fused norm + qkv, the gate_up and the SiLU + down launches, with
+    # the weight's scales: the float32 layers on the dequantized weights, to the order of
+    # the sums
+    from vllmpy.layers.linear import PackedLinear, rms_norm_linear
+    from vllmpy.layers.mlp import GatedMLP
+    from vllmpy.layers.norm import RMSNorm
+    from vllmpy.layers.quantization.fp8 import Fp8LinearMethod, dequantize_block
+    from vllmpy.ops import skinny_gemm as skinny_module
+
+    g = torch.Generator().manual_seed(9)
+    block = (16, 32) if scheme == "block" else None
+    norm = RMSNorm(64, 1e-6)
+    norm.weight.data = torch.rand(64, generator=g) + 0.5
+    qkv = PackedLinear(64, {"q": 32, "k": 16, "v": 16})
+    mlp = GatedMLP(64, 48)
+    dense = {}
+    for linear in (qkv, mlp.gate_up_proj, mlp.down_proj):
+        linear.set_method(Fp8LinearMethod(scheme, block=block))
+        linear.method.on_cuda = True  # keep the fp8 tensors (the CPU would dequantize)
+        linear.method.load_dense(linear, torch.randn(linear.output_size, linear.input_size,
+                                                     generator=g))
+        linear.method.skinny = skinny_module
+        scale = linear.stream_scale.scale
+        dense[linear] = (dequantize_block(linear.weight, scale, block, torch.float32)
+                         if block else linear.weight.float() * scale)
+        assert linear.streams_one_row(torch.zeros(1, linear.input_size))
+        assert not linear.streams_one_row(torch.zeros(2, linear.input_size))
+    for module in (norm, qkv, mlp):
+        module.to(DEVICE)
+    x = torch.randn(1, 64, generator=g).to(DEVICE)
+    res = torch.randn(1, 64, generator=g).to(DEVICE)
+    out, total = rms_norm_linear(norm, qkv, x, res)
+    ref, ref_total = rms_norm_gemm_ref(x, res, norm.weight, 1e-6, dense[qkv].to(DEVICE))
+    torch.testing.assert_close(total, ref_total, rtol=0, atol=0)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-4)
+    gate_up = F.linear(x, dense[mlp.gate_up_proj].to(DEVICE))
+    ref_down = silu_mul_gemm_ref(gate_up, dense[mlp.down_proj].to(DEVICE))
+    torch.testing.assert_close(mlp(x), ref_down, rtol=1e-5, atol=1e-4)

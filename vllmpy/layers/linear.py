@@ -70,14 +70,19 @@ class Linear(CustomOp):
         return self.method.apply(self, x)
 
     def streams_one_row(self, x: torch.Tensor) -> bool:
-        """Whether x goes through the dense weight-streaming kernel (``skinny_gemm``), so
-        that the step before it may run in the same launch."""
-        return isinstance(self.method, DenseMethod) and self.method.streams_one_row(x)
+        """Whether x goes through the weight-streaming kernel (``skinny_gemm``: a dense or
+        an fp8 weight), so that the step before it may run in the same launch."""
+        return self.method.streams_one_row(x)
 
     @property
     def _skinny(self) -> Any:
-        assert isinstance(self.method, DenseMethod)
+        assert self.method.skinny is not None
         return self.method.skinny
+
+    @property
+    def stream_scale(self) -> Any:
+        """The streamed weight's scales (``skinny_gemm.WeightScale``), None when dense."""
+        return self.method.stream_scale(self)
 
     # ---- loading -----------------------------------------------------------------------
 
@@ -141,7 +146,7 @@ def rms_norm_linear(norm: RMSNorm, linear: Linear, x: torch.Tensor,
     if (type(norm) is RMSNorm and linear.streams_one_row(x) and norm.weight.dtype == x.dtype
             and (residual is None or residual.stride(-1) == 1)):
         return linear._skinny.rms_norm_gemm(x, residual, norm.weight, norm.eps, linear.weight,
-                                            linear.bias)
+                                            linear.bias, linear.stream_scale)
     if residual is None:
         return linear(norm(x)), x
     normed, residual = norm(x, residual)

@@ -35,7 +35,7 @@ class GatedMLP(nn.Module):
         down = self.down_proj
         if isinstance(self.act_fn, SiluAndMul) and down.streams_one_row(gate_up):
             return down._skinny.silu_mul_gemm(gate_up, down.weight,  # type: ignore[arg-type]
-                                              down.bias)
+                                              down.bias, down.stream_scale)
         return down(self.act_fn(gate_up))
 
 

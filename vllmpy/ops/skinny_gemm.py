@@ -26,12 +26,21 @@ where it took two:
   of itself, and the output is rounded once, as always.
 - ``silu_mul_gemm``: ``linear(silu(gate) * up)`` (the down projection).
 
+An fp8 (e4m3) weight streams the same way in half the bytes, with its scales
+(``WeightScale``): each code is widened and multiplied by the activation, which first
+takes the scale of the weight block it meets (block scales: a program's rows share one
+block row), or each row's sum takes the row's scale at the end (per-row and per-tensor
+scales). The activation itself is not quantized: the arithmetic is W8A16's, so a decode
+step loses nothing to an e4m3 activation (vLLM's Marlin fp8 kernels do the same).
+
 Otherwise they round where the unfused kernels round (``vllmpy.ops.fused``), so they give
 the same values up to the order of the fp32 sums. The PyTorch references are the layers'
 own functions followed by ``torch.nn.functional.linear``.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -50,13 +59,26 @@ MAX_ROWS = 8
 # what a program does to its activation chunk before the product
 PLAIN, RMS_NORM, SILU_MUL = 0, 1, 2
 
+FP8 = torch.float8_e4m3fn
+
+
+@dataclass(frozen=True)
+class WeightScale:
+    """The multipliers of an fp8 weight's stored values: ``scale`` float32 [N] (or [N, 1]),
+    one per weight row (a per-tensor scale repeated over its rows), with ``block`` None;
+    or [ceil(N / bn), ceil(K / bk)], one per ``block = (bn, bk)`` tile."""
+
+    scale: torch.Tensor
+    block: tuple[int, int] | None = None
+
 
 @triton.jit
-def _accumulate(acc, ssq, w, offs_k, k_ok, x_ptr, res_ptr, nw_ptr, sum_ptr, rstd, offs_m,
-                M, K, stride_xm, stride_rm, store_sum, NORM: tl.constexpr,
+def _accumulate(acc, ssq, w, offs_k, k_ok, x_ptr, res_ptr, nw_ptr, sum_ptr, ws_row, rstd,
+                offs_m, M, K, stride_xm, stride_rm, store_sum, NORM: tl.constexpr,
                 SILU: tl.constexpr, HAS_RESIDUAL: tl.constexpr, FOLD: tl.constexpr,
                 BLOCK_M: tl.constexpr, SQ_VEC: tl.constexpr, ROW_VEC: tl.constexpr,
-                ROW_GROUP: tl.constexpr):
+                ROW_GROUP: tl.constexpr, BLOCK_SCALES: tl.constexpr,
+                SCALE_K: tl.constexpr):
     # acc [BLOCK_M, BLOCK_N] += (the activation chunk at offs_k, prologue applied) @ w.T,
     # or with ROW_VEC (one row) acc [BLOCK_N, BLOCK_K // ROW_GROUP] += the products summed
     # over groups of ROW_GROUP neighbouring columns, which one thread holds: no chunk sums
@@ -64,10 +86,15 @@ def _accumulate(acc, ssq, w, offs_k, k_ok, x_ptr, res_ptr, nw_ptr, sum_ptr, rstd
     # with FOLD the norm's weight is applied here, and the caller scales by 1 / rms at the
     # end, from the squares summed into ssq as the chunks pass: [BLOCK_M] sums, or with
     # SQ_VEC (one row) a [BLOCK_K] vector of per-position sums, so that a chunk adds its
-    # squares without a reduction across the program's threads
+    # squares without a reduction across the program's threads;
+    # with BLOCK_SCALES each activation is multiplied by the scale of the weight
+    # block it meets (the program's rows share one block row, ws_row), so the weight still
+    # takes one product per element
     dtype = x_ptr.dtype.element_ty
     if NORM:
         nw = tl.load(nw_ptr + offs_k, mask=k_ok, other=0.0).to(tl.float32)
+    if BLOCK_SCALES:
+        kscale = tl.load(ws_row + offs_k // SCALE_K, mask=k_ok, other=0.0)
     for m in tl.static_range(BLOCK_M):
         # rows past M (BLOCK_M is a power of two) re-read the last row; never stored
         row = tl.minimum(m, M - 1)
@@ -95,6 +122,8 @@ def _accumulate(acc, ssq, w, offs_k, k_ok, x_ptr, res_ptr, nw_ptr, sum_ptr, rstd
             g = x.to(tl.float32)
             act = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
             x = (act * up.to(tl.float32)).to(dtype)
+        if BLOCK_SCALES:
+            x = x.to(tl.float32) * kscale
         if ROW_VEC:  # one row: each thread adds its products into its own sums
             prod = w.to(tl.float32) * x.to(tl.float32)[None, :]
             acc += tl.sum(tl.reshape(prod, [w.shape[0], w.shape[1] // ROW_GROUP, ROW_GROUP]),
@@ -107,9 +136,10 @@ def _accumulate(acc, ssq, w, offs_k, k_ok, x_ptr, res_ptr, nw_ptr, sum_ptr, rstd
 
 @triton.jit
 def _skinny_gemm_kernel(
-    x_ptr, res_ptr, nw_ptr, sum_ptr, w_ptr, b_ptr, out_ptr, M, N, K,
-    stride_xm, stride_rm, stride_wn, stride_om, eps,
-    NORM: tl.constexpr, SILU: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+    x_ptr, res_ptr, nw_ptr, sum_ptr, w_ptr, ws_ptr, b_ptr, out_ptr, M, N, K,
+    stride_xm, stride_rm, stride_wn, stride_wsn, stride_om, eps,
+    ROW_SCALES: tl.constexpr, BLOCK_SCALES: tl.constexpr, SCALE_N: tl.constexpr,
+    SCALE_K: tl.constexpr, NORM: tl.constexpr, SILU: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr, FOLD: tl.constexpr, SQ_VEC: tl.constexpr,
     ROW_VEC: tl.constexpr, ROW_GROUP: tl.constexpr, PDL: tl.constexpr,
@@ -121,6 +151,7 @@ def _skinny_gemm_kernel(
     n_ok = offs_n < N
     m_ok = offs_m < M
     w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn
+    ws_row = ws_ptr + (pid * BLOCK_N // SCALE_N) * stride_wsn  # block scales: rows share it
     # No kernel writes the weights: the first tile loads before waiting for the previous
     # kernel (see vllmpy.ops.pdl), overlapping its tail.
     offs_k = tl.arange(0, BLOCK_K)
@@ -153,20 +184,22 @@ def _skinny_gemm_kernel(
         acc = tl.zeros((BLOCK_N, BLOCK_K // ROW_GROUP), dtype=tl.float32)
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc, ssq = _accumulate(acc, ssq, w, offs_k, k_ok, x_ptr, res_ptr, nw_ptr, sum_ptr, rstd,
-                           offs_m, M, K, stride_xm, stride_rm, pid == 0, NORM, SILU,
-                           HAS_RESIDUAL, FOLD, BLOCK_M, SQ_VEC, ROW_VEC,
-                           ROW_GROUP)
+    acc, ssq = _accumulate(acc, ssq, w, offs_k, k_ok, x_ptr, res_ptr, nw_ptr, sum_ptr, ws_row,
+                           rstd, offs_m, M, K, stride_xm, stride_rm, pid == 0, NORM, SILU,
+                           HAS_RESIDUAL, FOLD, BLOCK_M, SQ_VEC, ROW_VEC, ROW_GROUP,
+                           BLOCK_SCALES, SCALE_K)
     for k0 in range(BLOCK_K, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_ok = offs_k < K
         w = tl.load(w_rows + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
         acc, ssq = _accumulate(acc, ssq, w, offs_k, k_ok, x_ptr, res_ptr, nw_ptr, sum_ptr,
-                               rstd, offs_m, M, K, stride_xm, stride_rm, pid == 0, NORM,
-                               SILU, HAS_RESIDUAL, FOLD, BLOCK_M, SQ_VEC, ROW_VEC,
-                               ROW_GROUP)
+                               ws_row, rstd, offs_m, M, K, stride_xm, stride_rm, pid == 0,
+                               NORM, SILU, HAS_RESIDUAL, FOLD, BLOCK_M, SQ_VEC, ROW_VEC,
+                               ROW_GROUP, BLOCK_SCALES, SCALE_K)
     if ROW_VEC:
         acc = tl.sum(acc, axis=1)[None, :]
+    if ROW_SCALES:  # a scale per weight row
+        acc *= tl.load(ws_ptr + offs_n, mask=n_ok, other=0.0)[None, :]
     if NORM and FOLD:
         if SQ_VEC:
             acc *= tl.math.rsqrt(tl.sum(ssq, axis=0) / K + eps)
@@ -183,7 +216,8 @@ def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     """x [M, *] with M <= MAX_ROWS, weight [N, k], both contiguous in their last dimension;
     k None: x is not 2-D, which is refused."""
     check_float("x", x, op)
-    check_float("weight", weight, op)
+    if weight.dtype != FP8:
+        check_float("weight", weight, op)
     check_same_device("weight", weight, x, "x")
     if k is None or weight.dim() != 2 or weight.shape[1] != k:
         size = "K" if k is None else k
@@ -198,23 +232,49 @@ def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
         raise ValueError(f"bias must be a contiguous [{n}], got {tuple(bias.shape)}")
 
 
-def skinny_gemm(x: torch.Tensor, weight: torch.Tensor,
-                bias: torch.Tensor | None = None) -> torch.Tensor:
+def _check_scale(weight: torch.Tensor, scale: WeightScale | None, op: str) -> None:
+    """An fp8 weight comes with its scales, a float weight without them (``WeightScale``)."""
+    if scale is None:
+        if weight.dtype == FP8:
+            raise ValueError(f"{op}: an fp8 weight needs its weight_scale")
+        return
+    if weight.dtype != FP8:
+        raise ValueError(f"{op}: weight_scale is for fp8 weights, not {weight.dtype}")
+    t = scale.scale
+    check_same_device("weight_scale", t, weight, "weight")
+    n, k = weight.shape
+    if scale.block is None:
+        if t.dtype != torch.float32 or t.numel() != n or t.stride(0) != 1:
+            raise ValueError(f"{op}: a per-row weight_scale must be a contiguous float32 "
+                             f"[{n}] (or [{n}, 1]), got {t.dtype} {tuple(t.shape)}")
+        return
+    bn, bk = scale.block
+    grid = (-(-n // bn), -(-k // bk))
+    if t.dtype != torch.float32 or tuple(t.shape) != grid or t.stride(1) != 1:
+        raise ValueError(f"{op}: block weight_scale must be a float32 {list(grid)} "
+                         f"contiguous in its last dimension for a [{n}, {k}] weight in "
+                         f"{bn}x{bk} blocks, got {t.dtype} {tuple(t.shape)}")
+
+
+def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                scale: WeightScale | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` for x [M, K] with M <= MAX_ROWS; weight [N, K]
-    contiguous. Returns a new [M, N] tensor of x's dtype."""
+    contiguous (fp8 with its ``scale``). Returns a new [M, N] tensor of x's dtype."""
     _check(x, weight, bias, x.shape[1] if x.dim() == 2 else None, "skinny_gemm")
+    _check_scale(weight, scale, "skinny_gemm")
     out = torch.empty((x.shape[0], weight.shape[0]), dtype=x.dtype, device=x.device)
-    _launch(x, None, None, None, weight, bias, out, PLAIN, 0.0)
+    _launch(x, None, None, None, weight, bias, out, PLAIN, 0.0, scale=scale)
     return out
 
 
 def rms_norm_gemm(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
-                  eps: float, weight: torch.Tensor, bias: torch.Tensor | None = None
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
+                  eps: float, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                  scale: WeightScale | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(F.linear(rms_norm(s), weight, bias), s)`` for ``s = x + residual`` (rounded to x's
     dtype), or ``s = x`` without a residual. x, residual: [M, K], M <= MAX_ROWS;
     norm_weight: [K] of x's dtype. The sum is a new tensor (x itself without a residual)."""
     _check(x, weight, bias, x.shape[1] if x.dim() == 2 else None, "rms_norm_gemm")
+    _check_scale(weight, scale, "rms_norm_gemm")
     k = x.shape[1]
     if norm_weight.shape != (k,) or norm_weight.stride(0) != 1 or norm_weight.dtype != x.dtype:
         raise ValueError(f"norm_weight must be a contiguous [{k}] of {x.dtype}, got "
@@ -229,19 +289,20 @@ def rms_norm_gemm(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: t
     total = x if residual is None else torch.empty((x.shape[0], k), dtype=x.dtype,
                                                    device=x.device)
     out = torch.empty((x.shape[0], weight.shape[0]), dtype=x.dtype, device=x.device)
-    _launch(x, residual, norm_weight, total, weight, bias, out, RMS_NORM, eps)
+    _launch(x, residual, norm_weight, total, weight, bias, out, RMS_NORM, eps, scale=scale)
     return out, total
 
 
-def silu_mul_gemm(x: torch.Tensor, weight: torch.Tensor,
-                  bias: torch.Tensor | None = None) -> torch.Tensor:
+def silu_mul_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                  scale: WeightScale | None = None) -> torch.Tensor:
     """``F.linear(silu(x[:, :K]) * x[:, K:], weight, bias)`` for x [M, 2K] (gate then up),
     M <= MAX_ROWS, and weight [N, K]."""
     if x.dim() != 2 or x.shape[1] % 2:
         raise ValueError(f"silu_mul_gemm needs x [M, 2 * K], got {tuple(x.shape)}")
     _check(x, weight, bias, x.shape[1] // 2, "silu_mul_gemm")
+    _check_scale(weight, scale, "silu_mul_gemm")
     out = torch.empty((x.shape[0], weight.shape[0]), dtype=x.dtype, device=x.device)
-    _launch(x, None, None, None, weight, bias, out, SILU_MUL, 0.0)
+    _launch(x, None, None, None, weight, bias, out, SILU_MUL, 0.0, scale=scale)
     return out
 
 
@@ -328,7 +389,7 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.T
             total: torch.Tensor | None, weight: torch.Tensor, bias: torch.Tensor | None,
             out: torch.Tensor, prologue: int, eps: float, block_n: int | None = None,
             block_k: int | None = None, num_warps: int | None = None,
-            num_stages: int = 3) -> None:
+            num_stages: int = 3, scale: WeightScale | None = None) -> None:
     m = x.shape[0]
     n, k = weight.shape
     if m == 0 or n == 0:
@@ -352,15 +413,21 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.T
         block_k = SILU_ONE_ROW_K if prologue == SILU_MUL and m == 1 else 1024
     if num_warps is None:
         num_warps = 8 if prologue == SILU_MUL else 4
+    blocks = scale is not None and scale.block is not None
+    scale_n, scale_k = scale.block if blocks else (1, 1)  # type: ignore[union-attr,misc]
+    if blocks:  # a program's rows in one block row of the scales
+        block_n = min(block_n, scale_n & -scale_n)
     fold = prologue == RMS_NORM and folds_norm(m, n, k, block_n, block_k, num_sms)
     row_vec = m == 1 and block_k >= ROW_GROUP and triton.cdiv(k, block_k) > 1
+    ws = scale.scale if scale is not None else weight
     _skinny_gemm_kernel[(triton.cdiv(n, block_n),)](
         x, residual if residual is not None else x,
         norm_weight if norm_weight is not None else weight,
-        total if total is not None else out, weight, bias if bias is not None else weight,
+        total if total is not None else out, weight, ws, bias if bias is not None else weight,
         out, m, n, k, x.stride(0), residual.stride(0) if residual is not None else 0,
-        weight.stride(0), out.stride(0), eps,
-        NORM=prologue == RMS_NORM, SILU=prologue == SILU_MUL,
+        weight.stride(0), ws.stride(0) if blocks else 0, out.stride(0), eps,
+        ROW_SCALES=scale is not None and not blocks, BLOCK_SCALES=blocks, SCALE_N=scale_n,
+        SCALE_K=scale_k, NORM=prologue == RMS_NORM, SILU=prologue == SILU_MUL,
         HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None,
         BLOCK_M=max(1, triton.next_power_of_2(m)), BLOCK_N=block_n, BLOCK_K=block_k,
         BLOCK_H=triton.next_power_of_2(k) if prologue == RMS_NORM and not fold else 1,

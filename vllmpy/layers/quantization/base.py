@@ -171,6 +171,23 @@ class LinearMethod:
         """How the layer runs, for the start-up line; None for an unquantized layer."""
         return None
 
+    # ---- one-row streaming -------------------------------------------------------------
+    # A method whose weight the one-row streaming kernel reads (``vllmpy.ops.skinny_gemm``:
+    # a dense or an fp8 weight) binds that module here on CUDA; a decode row then goes
+    # through it, and the step before the layer (a norm, SiLU) may run in the same launch.
+
+    skinny: Any = None
+
+    def streams_one_row(self, x: torch.Tensor) -> bool:
+        """Whether ``x`` goes through the weight-streaming kernel: one contiguous row, with
+        the kernel bound."""
+        return (self.skinny is not None and x.dim() == 2 and x.shape[0] == 1
+                and x.stride(1) == 1)
+
+    def stream_scale(self, layer: Linear) -> Any:
+        """The ``skinny_gemm.WeightScale`` of a streamed fp8 weight; None for a dense one."""
+        return None
+
 
 class MoEMethod:
     """The stacked expert weights of one ``FusedMoE`` layer and its grouped products.

@@ -107,12 +107,6 @@ class DenseMethod(LinearMethod):
 
             self.skinny = skinny_gemm
 
-    def streams_one_row(self, x: torch.Tensor) -> bool:
-        """Whether ``x`` goes through the weight-streaming kernel: one contiguous row on
-        CUDA, a matrix narrower than a vocabulary."""
-        return (self.skinny is not None and x.dim() == 2 and x.shape[0] == 1
-                and x.stride(1) == 1)
-
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         if layer.streams_one_row(x):  # the layer's question, as the fused helpers ask it
             return self.skinny.skinny_gemm(x, layer.weight, layer.bias)

@@ -39,7 +39,7 @@ from vllmpy.layers.quantization.base import (
     new_param,
     shard_view,
 )
-from vllmpy.layers.quantization.dense import DenseMethod
+from vllmpy.layers.quantization.dense import SKINNY_MAX_OUTPUT, DenseMethod
 
 if TYPE_CHECKING:
     from vllmpy.layers.linear import Linear
@@ -178,10 +178,21 @@ class Fp8LinearMethod(LinearMethod):
 
     def bind(self, layer: Linear, device: torch.device) -> None:
         self.on_cuda = device.type == "cuda"
+        if self.on_cuda and layer.output_size <= SKINNY_MAX_OUTPUT:
+            from vllmpy.ops import skinny_gemm
+
+            self.skinny = skinny_gemm
+
+    def stream_scale(self, layer: Linear) -> Any:
+        from vllmpy.ops.skinny_gemm import WeightScale
+
+        return WeightScale(getattr(layer, self.scale_name), self.block)
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         if self.dense is not None:
             return F.linear(x, self.dense.to(x.dtype), layer.bias)
+        if self.streams_one_row(x):  # a decode row: weight-only, see describe()
+            return self.skinny.skinny_gemm(x, layer.weight, layer.bias, self.stream_scale(layer))
         from vllmpy.ops import fp8_gemm
 
         if self.scheme == "block":
@@ -196,6 +207,8 @@ class Fp8LinearMethod(LinearMethod):
             "dynamic per-group" if self.scheme == "block" else "dynamic per-token")
         how = (f"dequantized to {dtype_name(self.dense.dtype)} on the CPU"
                if self.dense is not None else f"W8A8, {acts} activations (Triton / cuBLAS)")
+        if self.skinny is not None:
+            how += "; one-row steps stream the fp8 weight with unquantized activations"
         origin = " (quantized at load)" if self.online else ""
         return f"{self.name}{origin} layer(s) {how}"
 
@@ -270,6 +283,14 @@ class Fp8HeadMethod(LinearMethod):
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         assert self.inner is not None
         return self.inner.apply(layer, x)
+
+    @property
+    def skinny(self) -> Any:  # type: ignore[override]
+        return None if self.inner is None else self.inner.skinny
+
+    def stream_scale(self, layer: Linear) -> Any:
+        assert self.inner is not None
+        return self.inner.stream_scale(layer)
 
     def describe(self, layer: Linear) -> str | None:
         return None if self.inner is None else self.inner.describe(layer)
