@@ -1,7 +1,9 @@
 """A CPU bfloat16 product: through a oneDNN-packed copy of the weight where oneDNN has
 bfloat16 kernels (the packed copy replaces the dense one at the first product), and as a
 multiple of the row bucket and a remainder for many rows (a bounded set of oneDNN
-kernels for steps of any token count). Either way the result is F.linear's, bit for bit."""
+kernels for steps of any token count). Either way the result is F.linear's, bit for bit.
+A float32 product goes through a packed copy too: F.linear's values up to the order of
+the sums, and a row's bits the same whatever the call's row count."""
 
 from __future__ import annotations
 
@@ -50,13 +52,26 @@ def test_packed_weight_replaces_the_dense_copy_and_takes_batched_inputs():
     assert layer.weight.dtype == torch.bfloat16  # the layer still reads as bfloat16
 
 
-def test_float32_weight_stays_dense():
-    layer = Linear(40, 96)
+@pytest.mark.parametrize("bias", [True, False])
+def test_float32_weight_packs_and_a_row_keeps_its_bits(bias):
+    layer = Linear(40, 96, bias=bias)
     layer.bind_device(torch.device("cpu"))
-    layer.weight = torch.nn.Parameter(torch.randn(96, 40), False)
-    x = torch.randn(4, 40)
-    assert torch.equal(layer(x), F.linear(x, layer.weight))
-    assert layer.weight.shape == (96, 40) and layer.method.packed is None
+    gen = torch.Generator().manual_seed(4)
+    weight = torch.randn(96, 40, generator=gen)
+    b = torch.randn(96, generator=gen) if bias else None
+    layer.weight = torch.nn.Parameter(weight.clone(), False)
+    if bias:
+        layer.bias = torch.nn.Parameter(b.clone(), False)
+    if not cpu_packs(layer.weight):
+        pytest.skip("PyTorch here has no oneDNN")
+    x = torch.randn(CPU_BF16_ROW_BUCKET + 5, 40, generator=gen)
+    one = layer(x[:1])
+    assert layer.weight.numel() == 0 and layer.method.packed is not None
+    torch.testing.assert_close(one, F.linear(x[:1], weight, b), rtol=1e-5, atol=1e-5)
+    for rows in (2, 5, 16, CPU_BF16_ROW_BUCKET + 5):  # a verify's rows, a prefill's
+        many = layer(x[:rows])
+        torch.testing.assert_close(many, F.linear(x[:rows], weight, b), rtol=1e-5, atol=1e-5)
+        assert torch.equal(many[:1], one), rows
 
 
 @pytest.mark.parametrize("rows", [1, 3, CPU_BF16_ROW_BUCKET + 5])
@@ -70,3 +85,13 @@ def test_tied_bfloat16_head_keeps_the_embedding_and_equals_f_linear(rows):
     assert torch.equal(out, logits)
     assert torch.equal(embed.weight, table)  # the lookups still read every row
     assert torch.equal(head_logits(None, embed, hidden), F.linear(hidden, table))
+
+
+def test_tied_float32_head_keeps_the_embedding():
+    embed = torch.nn.Embedding(300, 40).requires_grad_(False)
+    table = embed.weight.detach().clone()
+    hidden = torch.randn(3, 40)
+    logits = head_logits(None, embed, hidden)
+    torch.testing.assert_close(logits, F.linear(hidden, table), rtol=1e-5, atol=1e-5)
+    assert torch.equal(embed.weight, table)  # the lookups still read every row
+    assert torch.equal(head_logits(None, embed, hidden[:1]), logits[:1])

@@ -159,6 +159,23 @@ def test_block_linear_matches_reference(m: int, n: int, k: int, dtype: torch.dty
         _assert_close(fp8_block_linear(x, w, ws, b), fp8_block_linear_ref(x, w, ws, b))
 
 
+@pytest.mark.skipif(not HAS_SCALED_MM, reason="needs a CUDA GPU with fp8")
+@pytest.mark.parametrize("m", [17, 33, 256])
+def test_block_linear_cublas_path_matches_reference(m: int) -> None:
+    # more than 16 bfloat16 rows of a 128 x 128-block weight, N and K multiples of 128:
+    # cuBLAS's block-scaled GEMM where the device runs it (checked once, at first use)
+    from vllmpy.ops.fp8_gemm import block_scaled_mm
+
+    mode = block_scaled_mm(torch.cuda.current_device())
+    print(f"cuBLAS block-scaled fp8 GEMM on this device: {mode}")
+    w, ws = _block_weight(256, 384, (128, 128), m)
+    x = _activation(m, 384, torch.bfloat16, m)
+    bias = torch.randn(256, generator=torch.Generator().manual_seed(3)).to(DEVICE,
+                                                                           torch.bfloat16)
+    for b in (None, bias):
+        _assert_close(fp8_block_linear(x, w, ws, b), fp8_block_linear_ref(x, w, ws, b))
+
+
 def test_block_linear_other_blocks_and_leading_dims() -> None:
     w, ws = _block_weight(72, 192, (64, 64), 5)
     x = _activation(6, 192, torch.bfloat16, 6).reshape(2, 3, 192)

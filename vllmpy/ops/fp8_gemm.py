@@ -39,6 +39,7 @@ is read once) or, for ``fp8_scaled_linear`` on a GPU, by ``torch._scaled_mm``.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -498,6 +499,62 @@ def _check_block_scale(weight: torch.Tensor, weight_scale: torch.Tensor,
     check_same_device("weight_scale", weight_scale, weight, "weight")
 
 
+# More rows than this take cuBLAS's block-scaled fp8 GEMM where it runs (``block_scaled_mm``);
+# up to it the Triton GEMM's one 16-row tile reads each weight tile once.
+BLOCK_SCALED_MM_MIN_ROWS = 17
+# cuBLAS's block scaling: 1 x 128 activation groups against 128 x 128 weight blocks
+CUBLAS_BLOCK = (128, 128)
+
+
+def _cublas_block_mm(xq: torch.Tensor, xs: torch.Tensor, weight: torch.Tensor,
+                     weight_scale: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    # torch._scaled_mm with block scales: the activation's [M, K / 128] group scales
+    # outer-dimension-major (stride 1 along M), the weight's [N / 128, K / 128] block
+    # scales transposed to [K / 128, N / 128], as cuBLAS reads them
+    return torch._scaled_mm(xq, weight.t(), xs.t().contiguous().t(), weight_scale.t(),
+                            out_dtype=out_dtype)
+
+
+@functools.cache
+def block_scaled_mm(device_index: int) -> str | None:
+    """Whether cuBLAS's block-scaled fp8 GEMM (CUDA 12.9 or newer, compute capability 9.0)
+    runs on this CUDA device through ``torch._scaled_mm``: tried once on small products
+    against the Triton block GEMM. "any": any row count; "aligned": row counts that are a
+    multiple of 16 (others are padded to one); None: not here (the Triton GEMM runs)."""
+    device = torch.device("cuda", device_index)
+    if torch.cuda.get_device_capability(device) != (9, 0):
+        return None
+    gen = torch.Generator(device=device).manual_seed(0)
+    w = (torch.randn(256, 384, device=device, generator=gen) * 64).clamp(-448, 448)
+    weight = w.to(FP8_DTYPE)
+    weight_scale = torch.rand(2, 3, device=device, generator=gen) * 1e-2 + 1e-3
+    works = []
+    for m in (17, 64):
+        x = torch.randn(m, 384, device=device, dtype=torch.bfloat16, generator=gen)
+        xq, xs = quant_fp8_per_group(x, 128)
+        try:
+            out = _cublas_block_mm(xq, xs, weight, weight_scale, torch.bfloat16)
+        except RuntimeError:
+            works.append(False)
+            continue
+        ref = _launch_block_gemm(xq, xs, weight, weight_scale, None, CUBLAS_BLOCK,
+                                 torch.bfloat16).float()
+        err = (out.float() - ref).abs().max() / ref.abs().max()
+        works.append(bool(err < 2e-2))
+    if all(works):
+        return "any"
+    return "aligned" if works[1] else None
+
+
+def _block_mm_mode(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device,
+                   block: tuple[int, int]) -> str | None:
+    if (m < BLOCK_SCALED_MM_MIN_ROWS or block != CUBLAS_BLOCK or not native_fp8(device)
+            or dtype != torch.bfloat16 or n % 128 or k % 128):
+        return None
+    return block_scaled_mm(device.index if device.index is not None
+                           else torch.cuda.current_device())
+
+
 def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                      bias: torch.Tensor | None = None,
                      block: tuple[int, int] = (128, 128)) -> torch.Tensor:
@@ -513,7 +570,9 @@ def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.
     Paths: one row takes one GEMV launch, which quantizes x itself and streams the
     weight once (splitting K when N is short); more rows take the quantization kernel and
     a ``tl.dot`` GEMM on fp8 tiles with bk-wide K tiles (up to 16 rows in one row tile,
-    so that it too reads the weight once).
+    so that it too reads the weight once), or, for more than 16 bfloat16 rows of a
+    128 x 128-block weight whose N and K are multiples of 128, cuBLAS's block-scaled GEMM
+    where this device runs it (``block_scaled_mm``).
     """
     _check_weight(x, weight, bias, "fp8_block_linear")
     block = (int(block[0]), int(block[1]))
@@ -525,9 +584,17 @@ def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.
         return x.new_zeros((*lead, n))
     if m == 1:
         out = _launch_block_gemv(x2, weight, weight_scale, bias, block)
-    else:
-        xq, xs = quant_fp8_per_group(x2, block[1])
+        return out.reshape(*lead, n)
+    mode = _block_mm_mode(m, n, x2.shape[1], x.dtype, x.device, block)
+    if mode == "aligned" and m % 16:
+        x2 = torch.cat([x2, x2.new_zeros(16 - m % 16, x2.shape[1])])
+    xq, xs = quant_fp8_per_group(x2, block[1])
+    if mode is None:
         out = _launch_block_gemm(xq, xs, weight, weight_scale, bias, block, x.dtype)
+    else:
+        out = _cublas_block_mm(xq, xs, weight, weight_scale, x.dtype)[:m]
+        if bias is not None:
+            out = out + bias.to(out.dtype)
     return out.reshape(*lead, n)
 
 

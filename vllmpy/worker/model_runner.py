@@ -21,6 +21,7 @@ from vllmpy.layers.attention import Attention
 from vllmpy.layers.custom_op import bind_ops
 from vllmpy.layers.linear import Linear, describe_quantized_layers
 from vllmpy.layers.quantization import quantize_model
+from vllmpy.layers.quantization.base import dtype_name
 from vllmpy.layers.quantization.dense import cpu_packs
 from vllmpy.loader.load_stats import LoadStats
 from vllmpy.loader.materialize import materialize
@@ -716,11 +717,14 @@ _TORCH_DTYPES = {np.int64: torch.int64, np.int32: torch.int32}
 
 
 def describe_cpu(dtype: torch.dtype) -> str:
-    """The CPU start-up line: PyTorch's threads, the C kernels' state and how bfloat16
+    """The CPU start-up line: PyTorch's threads, the C kernels' state and how dense
     linear layers multiply."""
     line = f"CPU: {torch.get_num_threads()} threads; {cpu_kernels.status()}"
-    if dtype == torch.bfloat16:
-        packs = cpu_packs(torch.empty(0, dtype=torch.bfloat16))
-        line += ("; bfloat16 linear layers through oneDNN-packed weights" if packs
-                 else "; bfloat16 linear layers through F.linear (no oneDNN bfloat16 kernels)")
+    if dtype in (torch.bfloat16, torch.float32):
+        name = dtype_name(dtype)
+        if cpu_packs(torch.empty(0, dtype=dtype)):
+            line += f"; {name} linear layers through oneDNN-packed weights"
+        else:
+            why = "no oneDNN bfloat16 kernels" if dtype == torch.bfloat16 else "no oneDNN"
+            line += f"; {name} linear layers through F.linear ({why})"
     return line

@@ -96,6 +96,7 @@ class Fp8LinearMethod(LinearMethod):
         self.online = online
         self.scale_name = "weight_scale_inv" if scheme == "block" else scale_name
         self.on_cuda = False
+        self.cublas_blocks: str | None = None  # fp8_gemm.block_scaled_mm's answer
         self.dense: torch.Tensor | None = None  # the CPU's dequantized weight
         self.input_scale: torch.Tensor | None = None  # merged static scale [1]
         self.name = {"tensor": "fp8 per-tensor", "channel": "fp8 per-channel",
@@ -182,6 +183,13 @@ class Fp8LinearMethod(LinearMethod):
             from vllmpy.ops import skinny_gemm
 
             self.skinny = skinny_gemm
+        if self.on_cuda and self.block is not None:
+            from vllmpy.ops.fp8_gemm import CUBLAS_BLOCK, block_scaled_mm, native_fp8
+
+            if self.block == CUBLAS_BLOCK and native_fp8(device):  # tried once, eagerly
+                index = device.index if device.index is not None else \
+                    torch.cuda.current_device()
+                self.cublas_blocks = block_scaled_mm(index)
 
     def stream_scale(self, layer: Linear) -> Any:
         from vllmpy.ops.skinny_gemm import WeightScale
@@ -207,6 +215,8 @@ class Fp8LinearMethod(LinearMethod):
             "dynamic per-group" if self.scheme == "block" else "dynamic per-token")
         how = (f"dequantized to {dtype_name(self.dense.dtype)} on the CPU"
                if self.dense is not None else f"W8A8, {acts} activations (Triton / cuBLAS)")
+        if self.cublas_blocks is not None:
+            how += "; more than 16 rows through cuBLAS's block-scaled GEMM"
         if self.skinny is not None:
             how += "; one-row steps stream the fp8 weight with unquantized activations"
         origin = " (quantized at load)" if self.online else ""
