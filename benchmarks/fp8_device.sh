@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call for the FP8 paths: the streaming kernel's fp8 tests, the fp8 kernel tests
-# (the cuBLAS block-scaled GEMM among them) and the FP8 checkpoint agreement tests on the
+# (the cuBLAS block-scaled GEMM among them), the MoE router kernel's tests and the FP8 checkpoint agreement tests on the
 # GPU, the one-row kernel sweep (bf16 and fp8 weights through the streaming kernel, beside
 # the fp8 block GEMV), then the rows in $ROWS (default P1,Q2: bf16 and FP8 block-128
 # batch-1 decode in the same run; P4,Q3 for the batched pair); logs under $OUT, the table
@@ -18,9 +18,9 @@ ls .devcache/whl/gguf-*.whl > /dev/null 2>&1 && \
   python3 -m pip install -q --no-deps .devcache/whl/gguf-*.whl > "$OUT/pip.log" 2>&1
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
   timeout ${TEST_S:-200} python3 -m pytest -q -p no:cacheprovider -s \
-      tests/ops/test_skinny_gemm.py tests/ops/test_fp8_kernels.py \
+      tests/ops/test_skinny_gemm.py tests/ops/test_fp8_kernels.py tests/ops/test_moe_router.py \
       "tests/layers/test_quantized_gpu.py::test_quantized_checkpoint_on_cuda_follows_its_cpu_dequantization" \
-      -k "fp8" > "$OUT/tests.log" 2>&1
+      -k "fp8 or router" > "$OUT/tests.log" 2>&1
   echo "tests rc=$? $(grep -E 'passed|failed|error' "$OUT/tests.log" | tail -1)"
   grep -E "^(FAILED|ERROR)|cuda bf16 vs cpu|cuBLAS block-scaled" "$OUT/tests.log" | sort -u | head -20
 fi
