@@ -206,6 +206,9 @@ def test_layers_route_one_streamed_row_through_the_fused_kernels(monkeypatch, wi
         module.to(DEVICE)
     for linear in (qkv, mlp.gate_up_proj, mlp.down_proj):
         linear.on_cuda, linear.method.skinny = True, skinny_gemm  # as binding to CUDA does
+    # as on CUDA, the dense weights stay as they are (a CPU float32 layer would pack its
+    # weight for oneDNN at the first product)
+    monkeypatch.setattr("vllmpy.layers.quantization.dense.cpu_packs", lambda w: False)
     x = torch.randn(1, 48, generator=g).to(DEVICE)
     res = torch.randn(1, 48, generator=g).to(DEVICE) if with_residual else None
     monkeypatch.setattr(Linear, "streams_one_row", lambda self, t: False)
