@@ -18,12 +18,13 @@ from vllmpy.layers.quantization.dense import CPU_BF16_ROW_BUCKET, cpu_packs
 ROWS = [1, 7, CPU_BF16_ROW_BUCKET, CPU_BF16_ROW_BUCKET + 1, 200, 256]
 
 
-def bf16_layer(bias: bool, seed: int) -> tuple[Linear, torch.Tensor, torch.Tensor | None]:
-    """A bound Linear(40, 96) in bfloat16 and copies of its weight and bias."""
-    layer = Linear(40, 96, bias=bias)
+def bf16_layer(bias: bool, seed: int, k: int = 40
+               ) -> tuple[Linear, torch.Tensor, torch.Tensor | None]:
+    """A bound Linear(k, 96) in bfloat16 and copies of its weight and bias."""
+    layer = Linear(k, 96, bias=bias)
     layer.bind_device(torch.device("cpu"))
     gen = torch.Generator().manual_seed(seed)
-    weight = torch.randn(96, 40, generator=gen).to(torch.bfloat16)
+    weight = torch.randn(96, k, generator=gen).to(torch.bfloat16)
     b = torch.randn(96, generator=gen).to(torch.bfloat16) if bias else None
     layer.weight = torch.nn.Parameter(weight.clone(), False)
     if bias:
@@ -95,3 +96,43 @@ def test_tied_float32_head_keeps_the_embedding():
     torch.testing.assert_close(logits, F.linear(hidden, table), rtol=1e-5, atol=1e-5)
     assert torch.equal(embed.weight, table)  # the lookups still read every row
     assert torch.equal(head_logits(None, embed, hidden[:1]), logits[:1])
+
+
+def test_bfloat16_without_onednn_kernels_takes_the_c_kernel(monkeypatch):
+    # a CPU whose oneDNN has no bfloat16 kernels: bfloat16 reads, float32 products, one
+    # rounding; a row's bits the same at every row count the kernel takes (a verify's);
+    # more rows through a float32 copy
+    from attention.cpu_paths import require_kernels
+
+    import vllmpy.layers.quantization.dense as dense
+
+    require_kernels()
+    monkeypatch.setattr(dense, "_MKLDNN_BF16", False)
+    layer, weight, b = bf16_layer(True, 9, k=64)
+    assert dense.cpu_bf16_rows(layer.weight)
+    x = torch.randn(40, 64, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    exact = F.linear(x.float(), weight.float()) + b.float()
+    one = layer(x[:1])
+    for rows in (1, 2, 5, 16, 40):
+        out = layer(x[:rows])
+        assert out.dtype == torch.bfloat16
+        torch.testing.assert_close(out.float(), exact[:rows], rtol=2**-7, atol=1e-2)
+        if rows <= 16:
+            assert torch.equal(out[:1], one), rows
+    assert layer.weight.shape == (96, 64)  # read in place, no copy kept
+
+
+def test_tied_bfloat16_head_without_onednn_kernels(monkeypatch):
+    from attention.cpu_paths import require_kernels
+
+    import vllmpy.layers.quantization.dense as dense
+
+    require_kernels()
+    monkeypatch.setattr(dense, "_MKLDNN_BF16", False)
+    embed = torch.nn.Embedding(300, 64).to(torch.bfloat16).requires_grad_(False)
+    hidden = torch.randn(3, 64).to(torch.bfloat16)
+    out = torch.empty(3, 300, dtype=torch.bfloat16)
+    logits = head_logits(None, embed, hidden, out)
+    assert logits.data_ptr() == out.data_ptr()
+    torch.testing.assert_close(out.float(), F.linear(hidden.float(), embed.weight.float()),
+                               rtol=2**-7, atol=1e-2)

@@ -15,7 +15,14 @@ import torch
 from torch import nn
 
 from vllmpy.layers.linear import Linear, default_weight_loader
-from vllmpy.layers.quantization.dense import DenseMethod, cpu_packs, pack_cpu, packed_linear
+from vllmpy.layers.quantization.dense import (
+    DenseMethod,
+    bf16_rows_linear,
+    cpu_bf16_rows,
+    cpu_packs,
+    pack_cpu,
+    packed_linear,
+)
 
 
 class VocabEmbedding(nn.Embedding):
@@ -82,9 +89,12 @@ def head_logits(lm_head: Linear | None, embed_tokens: nn.Embedding,
         logits = lm_head(hidden_states)  # the head's quantization method
         logits = logits if out is None else out.copy_(logits)
     elif lm_head is not None and (lm_head.method.packed is not None
-                                  or cpu_packs(lm_head.weight)):
-        logits = lm_head(hidden_states)  # through its packed copy
+                                  or cpu_packs(lm_head.weight)
+                                  or cpu_bf16_rows(lm_head.weight)):
+        logits = lm_head(hidden_states)  # through its packed copy or the C kernel
         logits = logits if out is None else out.copy_(logits)
+    elif lm_head is None and cpu_bf16_rows(embed_tokens.weight):
+        logits = bf16_rows_linear(hidden_states, embed_tokens.weight, None, out)
     elif lm_head is None and cpu_packs(embed_tokens.weight):
         # a tied head on a bfloat16 CPU: a packed copy beside the embedding (which keeps
         # its rows for the lookups)

@@ -23,11 +23,12 @@ import torch.nn.functional as F
 from vllmpy.ops import cpu_kernels
 
 # the kernel's block-type codes (csrc/gguf_blocks.c)
+# (BF16: a dense bfloat16 row read as 32-weight "blocks", for CPUs without bfloat16 units)
 QTYPE_CODES = {"Q4_0": 0, "Q4_1": 1, "Q5_0": 2, "Q5_1": 3, "Q8_0": 4, "Q4_K": 5,
-               "Q5_K": 6, "Q6_K": 7}
+               "Q5_K": 6, "Q6_K": 7, "BF16": 8}
 # weights per block of each type (the rows' length must be a multiple)
 BLOCK_WEIGHTS = {"Q4_0": 32, "Q4_1": 32, "Q5_0": 32, "Q5_1": 32, "Q8_0": 32, "Q4_K": 256,
-                 "Q5_K": 256, "Q6_K": 256}
+                 "Q5_K": 256, "Q6_K": 256, "BF16": 32}
 # Steps of more rows than this decode a transient dense copy and take PyTorch's matmul
 # (docs/perf-log/cpu-decode.md, "GGUF blocks on the CPU")
 MAX_KERNEL_ROWS = 16
@@ -79,6 +80,11 @@ def linear(x: torch.Tensor, w: BlockWeight, out: torch.Tensor | None = None) -> 
                     QTYPE_CODES[w.quant_type], out.data_ptr(), out.stride(0),
                     cpu_kernels.DTYPE_CODES[out.dtype], threads)
     return out
+
+
+def bf16_rows(weight: torch.Tensor) -> BlockWeight:
+    """A contiguous bfloat16 [rows, cols] weight as the kernel's BF16 blocks (no copy)."""
+    return BlockWeight("BF16", weight.shape[0], weight.shape[1], weight.view(torch.uint8))
 
 
 def dequantize(w: BlockWeight, dtype: torch.dtype) -> torch.Tensor:

@@ -22,7 +22,7 @@ from vllmpy.layers.custom_op import bind_ops
 from vllmpy.layers.linear import Linear, describe_quantized_layers
 from vllmpy.layers.quantization import quantize_model
 from vllmpy.layers.quantization.base import dtype_name
-from vllmpy.layers.quantization.dense import cpu_packs
+from vllmpy.layers.quantization.dense import cpu_bf16_rows, cpu_packs
 from vllmpy.loader.load_stats import LoadStats
 from vllmpy.loader.materialize import materialize
 from vllmpy.loader.source import ModelSource, iter_checkpoint_weights
@@ -722,8 +722,12 @@ def describe_cpu(dtype: torch.dtype) -> str:
     line = f"CPU: {torch.get_num_threads()} threads; {cpu_kernels.status()}"
     if dtype in (torch.bfloat16, torch.float32):
         name = dtype_name(dtype)
-        if cpu_packs(torch.empty(0, dtype=dtype)):
+        probe = torch.empty(0, 32, dtype=dtype)
+        if cpu_packs(probe):
             line += f"; {name} linear layers through oneDNN-packed weights"
+        elif cpu_bf16_rows(probe):
+            line += (f"; {name} linear layers through the C kernel, float32 products (no "
+                     "oneDNN bfloat16 kernels)")
         else:
             why = "no oneDNN bfloat16 kernels" if dtype == torch.bfloat16 else "no oneDNN"
             line += f"; {name} linear layers through F.linear ({why})"

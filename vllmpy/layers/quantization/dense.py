@@ -8,7 +8,10 @@ place and multiplies 1.5-2.5x faster at decode sizes than ``F.linear`` on the pl
 layout (float32 on an AMD Zen 3, where ``F.linear`` is MKL's: 1.6-3.7x at 2-16 rows,
 about even at 128). oneDNN's sums for a row do not depend on how many rows the call
 has, so a speculative verify gets its decode step's bits (MKL's change with the row
-count). Everything else is ``F.linear``. A checkpoint tensor that arrives quantized (a
+count). A bfloat16 weight on a CPU whose oneDNN has no bfloat16 kernels goes through the
+C kernel of ``vllmpy.ops.cpu_gguf`` instead (``cpu_bf16_rows``: bfloat16 reads, float32
+products; PyTorch's bfloat16 matmul runs there at a fraction of the float32 rate).
+Everything else is ``F.linear``. A checkpoint tensor that arrives quantized (a
 GGUF shard this device keeps no kernel for) is dequantized into the weight.
 """
 
@@ -36,6 +39,32 @@ def cpu_packs(weight: torch.Tensor) -> bool:
     if weight.dtype == torch.bfloat16:
         return _MKLDNN_BF16
     return weight.dtype == torch.float32 and _MKLDNN_FP32
+
+
+def cpu_bf16_rows(weight: torch.Tensor) -> bool:
+    """Whether a bfloat16 CPU weight multiplies through the C kernel (``cpu_gguf``'s BF16
+    rows: the weight read as bfloat16, the products in float32; more rows than the
+    kernel takes go through a transient float32 copy): a CPU whose oneDNN has no bfloat16
+    kernels, where PyTorch's bfloat16 matmul runs far below the float32 rate."""
+    if (weight.device.type != "cpu" or weight.dtype != torch.bfloat16 or _MKLDNN_BF16
+            or weight.dim() != 2 or not weight.is_contiguous()):
+        return False
+    from vllmpy.ops import cpu_gguf
+
+    return cpu_gguf.supported("BF16", weight.shape[1], weight.device)
+
+
+def bf16_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` through the C kernel (``cpu_bf16_rows``), in x's
+    dtype, into ``out`` (2-D, rows contiguous) when given."""
+    from vllmpy.ops import cpu_gguf
+
+    lead = x.shape[:-1]
+    y = cpu_gguf.linear(x.reshape(-1, x.shape[-1]), cpu_gguf.bf16_rows(weight), out)
+    if bias is not None:
+        y += bias
+    return y if out is not None else y.reshape(*lead, weight.shape[0])
 
 
 def pack_cpu(weight: torch.Tensor) -> torch.Tensor:
@@ -123,6 +152,8 @@ class DenseMethod(LinearMethod):
                 self.packed = pack_cpu(layer.weight)
                 layer.weight.data = layer.weight.new_empty(0)
             return packed_linear(x, self.packed, layer.bias, layer.output_size)
+        if cpu_bf16_rows(layer.weight):
+            return bf16_rows_linear(x, layer.weight, layer.bias)
         m = x.shape[0] if x.dim() == 2 else 0
         tail = m % CPU_BF16_ROW_BUCKET
         if (m > CPU_BF16_ROW_BUCKET and tail and x.dtype == torch.bfloat16

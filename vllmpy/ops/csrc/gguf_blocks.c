@@ -18,6 +18,8 @@
  *   Q4_K 144 bytes / 256: d, dmin, scales[12] (8 six-bit scale/min pairs), qs[128]
  *   Q5_K 176 bytes / 256: d, dmin, scales[12], qh[32], qs[128]
  *   Q6_K 210 bytes / 256: ql[128], qh[64], int8 scales[16], d
+ *   BF16  64 bytes / 32:  32 bfloat16 values (a dense bfloat16 row read as 32-weight
+ *         "blocks": the dense path of a CPU without bfloat16 units)
  * In the 32-weight types, weight j < 16 is the low nibble of qs[j], weight j + 16 its high
  * nibble (and bit j, j + 16 of qh).
  */
@@ -33,7 +35,8 @@
 #endif
 
 enum { GF32 = 0, GBF16 = 1, GF16 = 2 };
-enum { Q4_0 = 0, Q4_1 = 1, Q5_0 = 2, Q5_1 = 3, Q8_0 = 4, Q4_K = 5, Q5_K = 6, Q6_K = 7 };
+enum { Q4_0 = 0, Q4_1 = 1, Q5_0 = 2, Q5_1 = 3, Q8_0 = 4, Q4_K = 5, Q5_K = 6, Q6_K = 7,
+       BF16 = 8 };
 
 static inline float half_at(const uint8_t *p) {
     _Float16 h;
@@ -102,6 +105,13 @@ static void decode_row(int qtype, const uint8_t *restrict blk, int64_t k, float 
             const float d = half_at(blk);
             const int8_t *q = (const int8_t *)(blk + 2);
             for (int j = 0; j < 32; j++) w[i + j] = d * (float)q[j];
+        }
+        break;
+    case BF16:
+        for (int64_t i = 0; i < k; i++) {
+            uint16_t b;
+            memcpy(&b, blk + 2 * i, 2);
+            w[i] = bf16_to_f32(b);
         }
         break;
     case Q4_K: case Q5_K: /* Q5_K: Q4_K's layout with a fifth bit a weight in qh[32] */
@@ -236,6 +246,12 @@ static inline __attribute__((always_inline)) void piece_regs(int qtype, const ui
         i8x32(_mm256_loadu_si256((const __m256i *)(blk + 2)), vd, vd, v);
         return;
     }
+    case BF16: /* a bfloat16 is the top half of its float32 */
+        for (int j = 0; j < 4; j++) {
+            const __m128i h = _mm_loadu_si128((const __m128i *)(blk + 16 * j));
+            v[j] = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+        }
+        return;
     case Q4_K: case Q5_K: { /* 64-weight chunk c = p / 2: low nibbles, then high */
         const int c = p >> 1, high = p & 1;
         float sc, mn;
@@ -283,6 +299,7 @@ static inline int block_bytes(int qtype) {
     case Q5_0: return 22;
     case Q5_1: return 24;
     case Q8_0: return 34;
+    case BF16: return 64;
     case Q4_K: return 144;
     case Q5_K: return 176;
     default: return 210;
@@ -343,6 +360,7 @@ static void fused(int qtype, int rows, const uint8_t *blk, int64_t k, const floa
         FUSED_CASE(Q4_K)
         FUSED_CASE(Q5_K)
         FUSED_CASE(Q6_K)
+        FUSED_CASE(BF16)
     }
 }
 
@@ -367,6 +385,7 @@ static void decode_row_regs(int qtype, const uint8_t *blk, int64_t k, float *w) 
         DECODE_CASE(Q4_K)
         DECODE_CASE(Q5_K)
         DECODE_CASE(Q6_K)
+        DECODE_CASE(BF16)
     }
 }
 
