@@ -9,11 +9,7 @@
 #   OUT=/tmp/out bash benchmarks/fp8_device.sh
 # A gguf wheel in .devcache/whl is installed first (the GPU tests' module imports gguf).
 set -u
-cd "$(dirname "$0")/.."
-OUT=${OUT:-/tmp/fp8_device}
-mkdir -p "$OUT"
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
-nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv,noheader > "$OUT/gpu.txt" 2>&1
+source "$(dirname "$0")/device_setup.sh" /tmp/fp8_device
 cat "$OUT/gpu.txt"
 ls .devcache/whl/gguf-*.whl > /dev/null 2>&1 && \
   python3 -m pip install -q --no-deps .devcache/whl/gguf-*.whl > "$OUT/pip.log" 2>&1

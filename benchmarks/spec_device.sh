@@ -3,11 +3,7 @@
 # float32 through the CUDA graphs), then rows S3 and S4; logs under $OUT, the table last.
 #   OUT=/tmp/out bash benchmarks/spec_device.sh
 set -u
-cd "$(dirname "$0")/.."
-OUT=${OUT:-/tmp/spec_device}
-mkdir -p "$OUT"
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
-nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv,noheader > "$OUT/gpu.txt" 2>&1
+source "$(dirname "$0")/device_setup.sh" /tmp/spec_device
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
   [ -d .devcache/tok ] && export VLLMPY_TEST_TOKENIZER_DIR=$PWD/.devcache/tok
   timeout ${TEST_S:-240} python3 -m pytest -q -p no:cacheprovider --timeout 200 \
