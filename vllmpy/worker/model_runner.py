@@ -724,11 +724,11 @@ def describe_cpu(dtype: torch.dtype) -> str:
         name = dtype_name(dtype)
         probe = torch.empty(0, 32, dtype=dtype)
         if cpu_packs(probe):
-            line += f"; {name} linear layers through oneDNN-packed weights"
+            line += f"; dense {name} linear layers through oneDNN-packed weights"
         elif cpu_bf16_rows(probe):
-            line += (f"; {name} linear layers through the C kernel, float32 products (no "
+            line += (f"; dense {name} linear layers through the C kernel, float32 products (no "
                      "oneDNN bfloat16 kernels)")
         else:
             why = "no oneDNN bfloat16 kernels" if dtype == torch.bfloat16 else "no oneDNN"
-            line += f"; {name} linear layers through F.linear ({why})"
+            line += f"; dense {name} linear layers through F.linear ({why})"
     return line
