@@ -166,7 +166,7 @@ def test_block_linear_cublas_path_matches_reference(m: int) -> None:
     # cuBLAS's block-scaled GEMM where the device runs it (checked once, at first use)
     from vllmpy.ops.fp8_gemm import block_scaled_mm
 
-    mode = block_scaled_mm(torch.cuda.current_device())
+    mode = block_scaled_mm(torch.device(DEVICE))
     print(f"cuBLAS block-scaled fp8 GEMM on this device: {mode}")
     w, ws = _block_weight(256, 384, (128, 128), m)
     x = _activation(m, 384, torch.bfloat16, m)

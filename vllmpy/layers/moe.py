@@ -60,10 +60,6 @@ __all__ = ["EXPERT_PROJECTIONS", "ExpertLayout", "FusedMoE", "SparseMoeBlock",
 EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
 
-# the one-launch softmax router's limit (vllmpy.ops.moe_router.MAX_EXPERTS)
-MAX_ROUTED_EXPERTS = 1024
-
-
 def select_experts(logits: torch.Tensor, top_k: int, renormalize: bool,
                    scoring: str = "softmax", correction_bias: torch.Tensor | None = None,
                    n_group: int | None = None, topk_group: int | None = None,
@@ -75,11 +71,11 @@ def select_experts(logits: torch.Tensor, top_k: int, renormalize: bool,
     if not 1 <= top_k <= num_experts:
         raise ValueError(f"top_k must lie in 1..{num_experts}, got {top_k}")
     if (scoring == "softmax" and logits.is_cuda and (n_group is None or n_group <= 1)
-            and num_experts <= MAX_ROUTED_EXPERTS and logits.dim() == 2
-            and logits.stride(-1) == 1):
-        from vllmpy.ops.moe_router import softmax_topk
+            and logits.dim() == 2 and logits.stride(-1) == 1):
+        from vllmpy.ops import moe_router
 
-        return softmax_topk(logits, top_k, renormalize, routed_scaling_factor)
+        if num_experts <= moe_router.MAX_EXPERTS:
+            return moe_router.softmax_topk(logits, top_k, renormalize, routed_scaling_factor)
     logits = logits.float()
     if scoring == "softmax":
         probs = torch.softmax(logits, dim=-1)

@@ -515,12 +515,18 @@ def _cublas_block_mm(xq: torch.Tensor, xs: torch.Tensor, weight: torch.Tensor,
                             out_dtype=out_dtype)
 
 
-@functools.cache
-def block_scaled_mm(device_index: int) -> str | None:
+def block_scaled_mm(device: torch.device) -> str | None:
     """Whether cuBLAS's block-scaled fp8 GEMM (CUDA 12.9 or newer, compute capability 9.0)
-    runs on this CUDA device through ``torch._scaled_mm``: tried once on small products
-    against the Triton block GEMM. "any": any row count; "aligned": row counts that are a
-    multiple of 16 (others are padded to one); None: not here (the Triton GEMM runs)."""
+    runs on this CUDA device through ``torch._scaled_mm``: tried once a device on small
+    products against the Triton block GEMM. "any": any row count; "aligned": row counts
+    that are a multiple of 16 (others are padded to one); None: not here (the Triton GEMM
+    runs)."""
+    return _probe_block_scaled_mm(device.index if device.index is not None
+                                  else torch.cuda.current_device())
+
+
+@functools.cache
+def _probe_block_scaled_mm(device_index: int) -> str | None:
     device = torch.device("cuda", device_index)
     if torch.cuda.get_device_capability(device) != (9, 0):
         return None
@@ -534,7 +540,7 @@ def block_scaled_mm(device_index: int) -> str | None:
         xq, xs = quant_fp8_per_group(x, 128)
         try:
             out = _cublas_block_mm(xq, xs, weight, weight_scale, torch.bfloat16)
-        except RuntimeError:
+        except (RuntimeError, TypeError, ValueError):  # this torch / cuBLAS refuses it
             works.append(False)
             continue
         ref = _launch_block_gemm(xq, xs, weight, weight_scale, None, CUBLAS_BLOCK,
@@ -551,8 +557,7 @@ def _block_mm_mode(m: int, n: int, k: int, dtype: torch.dtype, device: torch.dev
     if (m < BLOCK_SCALED_MM_MIN_ROWS or block != CUBLAS_BLOCK or not native_fp8(device)
             or dtype != torch.bfloat16 or n % 128 or k % 128):
         return None
-    return block_scaled_mm(device.index if device.index is not None
-                           else torch.cuda.current_device())
+    return block_scaled_mm(device)
 
 
 def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,

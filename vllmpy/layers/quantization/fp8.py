@@ -187,9 +187,7 @@ class Fp8LinearMethod(LinearMethod):
             from vllmpy.ops.fp8_gemm import CUBLAS_BLOCK, block_scaled_mm, native_fp8
 
             if self.block == CUBLAS_BLOCK and native_fp8(device):  # tried once, eagerly
-                index = device.index if device.index is not None else \
-                    torch.cuda.current_device()
-                self.cublas_blocks = block_scaled_mm(index)
+                self.cublas_blocks = block_scaled_mm(device)
 
     def stream_scale(self, layer: Linear) -> Any:
         from vllmpy.ops.skinny_gemm import WeightScale
@@ -199,7 +197,7 @@ class Fp8LinearMethod(LinearMethod):
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         if self.dense is not None:
             return F.linear(x, self.dense.to(x.dtype), layer.bias)
-        if self.streams_one_row(x):  # a decode row: weight-only, see describe()
+        if layer.streams_one_row(x):  # a decode row: weight-only, see describe()
             return self.skinny.skinny_gemm(x, layer.weight, layer.bias, self.stream_scale(layer))
         from vllmpy.ops import fp8_gemm
 
