@@ -168,18 +168,25 @@ def test_a_client_gone_aborts_its_inputs(embed_server):
     def aborted() -> float:
         return metric(embed_server, "vllm:request_success_total", 'finished_reason="abort"')
 
+    def ended() -> float:
+        return metric(embed_server, "vllm:request_success_total")
+
     def in_flight() -> float:
         return (metric(embed_server, "vllm:num_requests_waiting")
                 + metric(embed_server, "vllm:num_requests_running"))
 
-    before = aborted()
+    before, ended_before = aborted(), ended()
     with pytest.raises(httpx.TimeoutException):  # 1000 inputs take seconds, one a step
         httpx.post(f"{embed_server.url}/v1/embeddings",
                    json={"input": ["word " * 120] * 1000}, timeout=0.3)
-    deadline = time.monotonic() + 30  # a loaded machine takes a while over 1000 aborts
-    while in_flight() and time.monotonic() < deadline:
+    # The client may leave before the server has even read the body, while the gauges
+    # still say nothing is in flight: wait for every input to end (computed or aborted).
+    deadline = time.monotonic() + 60  # a loaded machine takes a while over 1000 aborts
+    while ((ended() - ended_before < 1000 or in_flight())
+           and time.monotonic() < deadline):
         time.sleep(0.1)
     # most inputs were still queued when the client left: they end aborted, not computed
+    assert ended() - ended_before == 1000
     assert in_flight() == 0 and aborted() - before >= 500
 
 
