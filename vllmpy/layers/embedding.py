@@ -96,8 +96,8 @@ def head_logits(lm_head: Linear | None, embed_tokens: nn.Embedding,
     elif lm_head is None and cpu_bf16_rows(embed_tokens.weight):
         logits = bf16_rows_linear(hidden_states, embed_tokens.weight, None, out)
     elif lm_head is None and cpu_packs(embed_tokens.weight):
-        # a tied head on a bfloat16 CPU: a packed copy beside the embedding (which keeps
-        # its rows for the lookups)
+        # a tied head on a CPU that packs its dtype: a packed copy beside the embedding
+        # (which keeps its rows for the lookups)
         packed = getattr(embed_tokens, "packed_head", None)
         if packed is None:
             packed = embed_tokens.packed_head = pack_cpu(embed_tokens.weight)

@@ -46,6 +46,8 @@ _SIGNATURES = {
     "gguf_linear": [_i64, _i64, _i64, _vp, _i64, _int, _vp, _i64, _int, _vp, _i64, _int,
                     _int],
     "gguf_dequantize": [_i64, _i64, _vp, _i64, _int, _vp, _int, _int],
+    "f32_pack": [_i64, _i64, _vp, _i64, _vp, _int],
+    "f32_linear": [_i64, _i64, _i64, _vp, _i64, _vp, _vp, _vp, _i64, _int],
 }
 
 _lock = threading.Lock()
@@ -119,7 +121,7 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = argtypes, None
     return lib, ("C kernels (decode attention, RMSNorm, rotary, SiLU-and-mul, GGUF "
-                 "block matmul)")
+                 "block matmul, float32 matmul)")
 
 
 def code(dtype: torch.dtype) -> int | None:

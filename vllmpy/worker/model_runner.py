@@ -22,7 +22,7 @@ from vllmpy.layers.custom_op import bind_ops
 from vllmpy.layers.linear import Linear, describe_quantized_layers
 from vllmpy.layers.quantization import quantize_model
 from vllmpy.layers.quantization.base import dtype_name
-from vllmpy.layers.quantization.dense import cpu_bf16_rows, cpu_packs
+from vllmpy.layers.quantization.dense import cpu_bf16_rows, cpu_packs, cpu_packs_panels
 from vllmpy.loader.load_stats import LoadStats
 from vllmpy.loader.materialize import materialize
 from vllmpy.loader.source import ModelSource, iter_checkpoint_weights
@@ -723,7 +723,9 @@ def describe_cpu(dtype: torch.dtype) -> str:
     if dtype in (torch.bfloat16, torch.float32):
         name = dtype_name(dtype)
         probe = torch.empty(0, 32, dtype=dtype)
-        if cpu_packs(probe):
+        if cpu_packs_panels(probe):
+            line += f"; dense {name} linear layers through the C kernel's packed panels"
+        elif cpu_packs(probe):
             line += f"; dense {name} linear layers through oneDNN-packed weights"
         elif cpu_bf16_rows(probe):
             line += (f"; dense {name} linear layers through the C kernel, float32 products (no "

@@ -2,13 +2,14 @@
 
 On CUDA a one-row product (a batch-1 decode) streams the weight through
 ``vllmpy.ops.skinny_gemm``, where it beats cuBLAS on a decoder's matrices. On the CPU a
-bfloat16 (where oneDNN has bfloat16 kernels) or float32 weight is reordered once, at its
-first product, into oneDNN's blocked layout (``pack_cpu``), which takes the dense copy's
-place and multiplies 1.5-2.5x faster at decode sizes than ``F.linear`` on the plain
-layout (float32 on an AMD Zen 3, where ``F.linear`` is MKL's: 1.6-3.7x at 2-16 rows,
-about even at 128). oneDNN's sums for a row do not depend on how many rows the call
-has, so a speculative verify gets its decode step's bits (MKL's change with the row
-count). A bfloat16 weight on a CPU whose oneDNN has no bfloat16 kernels goes through the
+weight is packed once, at its first product (``pack_cpu``), and the packed copy takes the
+dense copy's place: a float32 one into the C kernel's panels (``vllmpy.ops.cpu_dense``;
+oneDNN's blocked layout where the C kernels are not built), a bfloat16 one (where oneDNN
+has bfloat16 kernels) into oneDNN's. On an AMD Zen 3 the panels run a decode row about
+1.3x faster than oneDNN and a prefill about even or better, and oneDNN 1.5-3.7x faster
+than ``F.linear`` (MKL) at 2-16 rows. Both give a row the same sums whatever the call's
+row count, so a speculative verify gets its decode step's bits (MKL's change with the
+row count). A bfloat16 weight on a CPU whose oneDNN has no bfloat16 kernels goes through the
 C kernel of ``vllmpy.ops.cpu_gguf`` instead (``cpu_bf16_rows``: bfloat16 reads, float32
 products; PyTorch's bfloat16 matmul runs there at a fraction of the float32 rate).
 Everything else is ``F.linear``. A checkpoint tensor that arrives quantized (a
@@ -23,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from vllmpy.layers.quantization.base import LinearMethod, copy_checked, new_param, shard_view
+from vllmpy.ops import cpu_dense
 
 if TYPE_CHECKING:
     from vllmpy.layers.linear import Linear
@@ -32,13 +34,20 @@ SKINNY_MAX_OUTPUT = 32768
 
 
 def cpu_packs(weight: torch.Tensor) -> bool:
-    """Whether a weight multiplies through a oneDNN-packed copy (``pack_cpu``): bfloat16 on
-    a CPU whose oneDNN has bfloat16 kernels, float32 on any CPU oneDNN runs on."""
+    """Whether a weight multiplies through a packed copy (``pack_cpu``): bfloat16 on a CPU
+    whose oneDNN has bfloat16 kernels, float32 where the C kernels are built or oneDNN
+    runs."""
     if weight.device.type != "cpu":
         return False
     if weight.dtype == torch.bfloat16:
         return _MKLDNN_BF16
-    return weight.dtype == torch.float32 and _MKLDNN_FP32
+    return weight.dtype == torch.float32 and (_MKLDNN_FP32 or cpu_dense.available())
+
+
+def cpu_packs_panels(weight: torch.Tensor) -> bool:
+    """Whether ``pack_cpu`` packs this weight into the C kernel's float32 panels."""
+    return (weight.device.type == "cpu" and weight.dtype == torch.float32
+            and cpu_dense.available())
 
 
 def cpu_bf16_rows(weight: torch.Tensor) -> bool:
@@ -67,18 +76,26 @@ def bf16_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     return y if out is not None else y.reshape(*lead, weight.shape[0])
 
 
-def pack_cpu(weight: torch.Tensor) -> torch.Tensor:
-    """``weight`` [out, in] reordered for oneDNN's matmul (an opaque tensor that only
-    ``packed_linear`` reads)."""
+def pack_cpu(weight: torch.Tensor) -> Any:
+    """``weight`` [out, in] packed for its CPU product (an opaque object that only
+    ``packed_linear`` reads): float32 into the C kernel's panels where the kernels are
+    built, else reordered for oneDNN's matmul."""
+    if weight.dtype == torch.float32 and cpu_dense.available():
+        return cpu_dense.pack(weight.detach())
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
 
 
-def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
+def packed_linear(x: torch.Tensor, packed: Any, bias: torch.Tensor | None,
                   out_features: int, out: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear`` on a packed weight, for 2-D or batched ``x``; into ``out`` if given.
-    Products of more rows than ``CPU_BF16_ROW_BUCKET`` go as a multiple of it and a
-    remainder: oneDNN builds (and caches) a kernel per shape, and a build costs more than
-    a step's product, so steps of any token count reuse a bounded set of kernels."""
+    oneDNN's products of more rows than ``CPU_BF16_ROW_BUCKET`` go as a multiple of it
+    and a remainder: oneDNN builds (and caches) a kernel per shape, and a build costs more
+    than a step's product, so steps of any token count reuse a bounded set of kernels."""
+    if isinstance(packed, cpu_dense.PackedF32):
+        if out is not None and (out.dim() != 2 or out.dtype != torch.float32
+                                or out.stride(-1) != 1):
+            return out.copy_(cpu_dense.linear(x, packed, bias))
+        return cpu_dense.linear(x, packed, bias, out)
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     m = x2.shape[0]
@@ -119,7 +136,7 @@ class DenseMethod(LinearMethod):
 
     def __init__(self) -> None:
         self.skinny: Any = None  # vllmpy.ops.skinny_gemm, bound on CUDA
-        self.packed: torch.Tensor | None = None  # the oneDNN copy, on a bfloat16 CPU
+        self.packed: Any = None  # the packed copy on a CPU (``pack_cpu``)
 
     def create_weights(self, layer: Linear) -> None:
         new_param(layer, "weight", (layer.output_size, layer.input_size), torch.float32,
