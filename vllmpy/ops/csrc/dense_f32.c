@@ -85,13 +85,15 @@ static inline __attribute__((always_inline)) void tile(
 
 #define TILE_CASE(R)                                                                     \
     case R:                                                                              \
-        tile(R, x + r0 * x_stride + i0, x_stride, panel + i0 * NR, kc, i0 == 0,          \
-             acc + r0 * NR);                                                             \
+        tile(R, xr + i0, x_stride, panel + i0 * NR, kc, i0 == 0, acc + r0 * NR);          \
         break;
 
 /* Inputs a block: a panel's block (KC x 16 floats, 16 KiB) stays in L1 while every row
  * tile passes over it */
 #define KC 256
+/* Rows a chunk: a chunk's activations (about 512 KiB of them, 24 to 192 rows) stay in L2
+ * while every panel passes over them */
+#define CHUNK_BYTES (512 * 1024)
 
 /* out[r * out_stride + j] = x[r] . W[j] (+ bias[j]) for r < m, j < n, from f32_pack's
  * panels; x row r at x + r * x_stride; bias may be NULL */
@@ -99,32 +101,38 @@ void f32_linear(int64_t m, int64_t n, int64_t k, const float *x, int64_t x_strid
                 const float *packed, const float *bias, float *out, int64_t out_stride,
                 int num_threads) {
     const int64_t panels = (n + NR - 1) / NR;
+    int64_t chunk = CHUNK_BYTES / (k * 4) / MR * MR;
+    chunk = chunk < 4 * MR ? 4 * MR : (chunk > 32 * MR ? 32 * MR : chunk);
 #pragma omp parallel num_threads(num_threads)
     {
-        /* the panel's m x 16 running sums, between input blocks */
-        float *acc = (float *)aligned_alloc(64, (size_t)((m * NR * 4 + 63) / 64 * 64));
+        /* a panel's running sums for the chunk's rows, between input blocks */
+        float *acc = (float *)aligned_alloc(64, (size_t)(chunk * NR * 4));
+        for (int64_t c0 = 0; c0 < m; c0 += chunk) {
+            const int64_t rows_c = m - c0 < chunk ? m - c0 : chunk;
 #pragma omp for schedule(static)
-        for (int64_t p = 0; p < panels; p++) {
-            const float *panel = packed + p * k * NR;
-            for (int64_t i0 = 0; i0 < k; i0 += KC) {
-                const int64_t kc = k - i0 < KC ? k - i0 : KC;
-                for (int64_t r0 = 0; r0 < m; r0 += MR) {
-                    switch (m - r0 < MR ? (int)(m - r0) : MR) {
-                        TILE_CASE(1)
-                        TILE_CASE(2)
-                        TILE_CASE(3)
-                        TILE_CASE(4)
-                        TILE_CASE(5)
-                        TILE_CASE(6)
+            for (int64_t p = 0; p < panels; p++) {
+                const float *panel = packed + p * k * NR;
+                for (int64_t i0 = 0; i0 < k; i0 += KC) {
+                    const int64_t kc = k - i0 < KC ? k - i0 : KC;
+                    for (int64_t r0 = 0; r0 < rows_c; r0 += MR) {
+                        const float *xr = x + (c0 + r0) * x_stride;
+                        switch (rows_c - r0 < MR ? (int)(rows_c - r0) : MR) {
+                            TILE_CASE(1)
+                            TILE_CASE(2)
+                            TILE_CASE(3)
+                            TILE_CASE(4)
+                            TILE_CASE(5)
+                            TILE_CASE(6)
+                        }
                     }
                 }
-            }
-            const int width = n - p * NR < NR ? (int)(n - p * NR) : NR;
-            const float *b = bias ? bias + p * NR : 0;
-            for (int64_t r = 0; r < m; r++) {
-                float *o = out + r * out_stride + p * NR;
-                const float *sums = acc + r * NR;
-                for (int j = 0; j < width; j++) o[j] = b ? sums[j] + b[j] : sums[j];
+                const int width = n - p * NR < NR ? (int)(n - p * NR) : NR;
+                const float *b = bias ? bias + p * NR : 0;
+                for (int64_t r = 0; r < rows_c; r++) {
+                    float *o = out + (c0 + r) * out_stride + p * NR;
+                    const float *sums = acc + r * NR;
+                    for (int j = 0; j < width; j++) o[j] = b ? sums[j] + b[j] : sums[j];
+                }
             }
         }
         free(acc);
