@@ -1,6 +1,7 @@
 """The CPU's GGUF block kernel (csrc/gguf_blocks.c) against gguf-py's dequantization: every
-block type (and dense bfloat16 rows, gguf-py's BF16), every row count (the fused few-row path and the decoded-row path), float32 and
-bfloat16 activations, strided outputs; the layers and tied heads that take it."""
+block type (and dense bfloat16 rows, gguf-py's BF16), every row count (the fused few-row
+path and the decoded-row path), float32 and bfloat16 activations, strided outputs; the
+layers and tied heads that take it."""
 
 from __future__ import annotations
 
